@@ -1,0 +1,40 @@
+"""agentgym_jax: multi-turn RL for LLM agents in JAX/Flax (AgentGym + AgentGym-RL, rewritten)."""
+import setuptools
+
+CORE = [
+    "jax",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "transformers>=5",
+    "tokenizers",
+    "sentencepiece",
+    "safetensors",
+    "ray",
+    "aiohttp",
+    "chex",
+    "absl-py",
+    "ml-collections",
+    "numpy",
+    "jinja2",  # transformers 5 renders chat templates with it
+    "tqdm",
+    "tensorboardX",
+    "matplotlib",
+]
+ENVS = [
+    "textcraft",  # the 860 Minecraft recipe files AgentGym's TextCraft uses
+    "minigrid",  # BabyAI levels and BabyAIBot
+    "english-words",  # Wordle word list
+]
+TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0"]
+
+setuptools.setup(
+    name="agentgym_jax",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.10",
+    packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require={"envs": ENVS, "test": ENVS + TEST, "all": ENVS + TEST},
+)

@@ -1,0 +1,7 @@
+"""Test-wide setup: JAX on the CPU with 8 simulated devices, so sharding is tested without accelerators."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
