@@ -1,0 +1,1 @@
+"""Client side of the environments: protocol, async client, EnvPool, local launcher, dialects."""

@@ -1,0 +1,116 @@
+"""The environment wire protocol, shared by the servers (`environments/`) and the clients here.
+
+AgentGym-compatible: `POST /create` -> `{"id"}`; `POST /reset {id, data_idx}`;
+`POST /step {id, action}` -> `{observation, reward, done, info}`; `GET /observation?id=`;
+`GET /available_actions?id=`; `POST /close {id}`; plus `GET /health` and `GET /tasks`.
+Our extension: `GET /oracle_action?id=` (the next action of the environment's oracle).
+
+Errors are real HTTP errors with a JSON body `{"error": "..."}`. This module imports nothing
+heavy (no jax) so that servers can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+# Field names AgentGym's per-environment servers use for the same thing.
+SESSION_ID_ALIASES = ("id", "env_idx")
+TASK_ID_ALIASES = ("data_idx", "idx", "game", "seed", "task_idx")
+ACTION_ALIASES = ("action",)
+
+ENDPOINTS = (
+    "POST /create",
+    "POST /reset",
+    "POST /step",
+    "GET /observation",
+    "GET /available_actions",
+    "GET /oracle_action",
+    "POST /close",
+    "GET /health",
+    "GET /tasks",
+)
+
+
+class EpisodeStatus(str, enum.Enum):
+    """Every way an episode can end (DESIGN rule 5: honest accounting)."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    MAX_TURNS = "max_turns"
+    TOKEN_BUDGET = "token_budget"
+    INVALID_ACTION_LIMIT = "invalid_action_limit"
+    ENV_TIMEOUT = "env_timeout"
+    INFRA_ERROR = "infra_error"
+
+    @property
+    def is_scored(self) -> bool:
+        """Whether the policy, not the infrastructure, decided the outcome."""
+        return self not in (EpisodeStatus.ENV_TIMEOUT, EpisodeStatus.INFRA_ERROR)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What `/step` returns. `info` always carries `invalid_action`, `success` and `score`."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> StepResult:
+        return cls(
+            observation=str(body["observation"]),
+            reward=float(body.get("reward", 0.0)),
+            done=bool(body.get("done", False)),
+            info=dict(body.get("info") or {}),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    """What `/tasks` returns: the environment's fixed task-id splits and how to read its scores."""
+
+    env: str
+    instruction: str  # AgentGym's `conversation_start`: the first message a policy sees
+    success_threshold: float  # reward/score at or above which an episode counts as a success
+    splits: dict[str, list[int]]  # e.g. {"train": [...], "test": [...]}, sorted ids
+    num_tasks: int
+    has_oracle: bool = True
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"depth": [...]}
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> TaskInfo:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in fields})
+
+
+class ProtocolError(ValueError):
+    """A request that breaks the protocol; servers answer it with a 4xx."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def pick(body: dict[str, Any], aliases: tuple[str, ...], kind: type, name: str) -> Any:
+    """Reads the first present alias of a field and checks its type; a clear error otherwise."""
+    for key in aliases:
+        if key in body:
+            value = body[key]
+            if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                return int(value)  # query strings carry ids as text
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ProtocolError(
+                    f"field {key!r} must be {kind.__name__}, got {type(value).__name__}"
+                )
+            return value
+    raise ProtocolError(f"missing field {name!r} (accepted names: {', '.join(aliases)})")

@@ -1,0 +1,1 @@
+"""Evaluation runs with honest accounting, reports and plots."""

@@ -1,0 +1,51 @@
+"""Entry point: `python -m agentgym_jax.launch --config=configs/<name>.py [--config.key=value ...]`.
+
+Reads an ml_collections config and dispatches on `config.mode`; each mode lives in its own
+module and exposes `run(config)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from agentgym_jax.config import ConfigError, check_override_keys, load_config_file, override_keys
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+
+# mode -> module with `run(config)`. Modules are imported on demand: `serve` never loads JAX.
+MODES: dict[str, str] = {
+    "serve": "agentgym_jax.envs.launcher",
+}
+
+
+def _precheck(argv: list[str]) -> None:
+    """Fails fast, with the valid keys, on `--config.<typo>` before absl sees it."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        raise ConfigError("missing --config=configs/<name>.py")
+    check_override_keys(load_config_file(spec), override_keys(argv))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = _CONFIG.value
+    if config.get("mode") not in MODES:
+        raise ConfigError(f"unknown mode {config.get('mode')!r}; valid: {', '.join(sorted(MODES))}")
+    logging.info("mode=%s", config.mode)
+    importlib.import_module(MODES[config.mode]).run(config)
+
+
+def cli() -> None:
+    try:
+        _precheck(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,1 @@
+"""Device mesh, partition rules and multi-host initialisation."""

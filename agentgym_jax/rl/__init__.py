@@ -1,0 +1,1 @@
+"""Advantages, losses, KL and horizon schedules: pure functions on arrays."""

@@ -1,0 +1,1 @@
+"""Token-exact trajectories and the multi-turn rollout engine."""

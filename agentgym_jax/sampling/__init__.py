@@ -1,0 +1,1 @@
+"""Jitted KV-cache generation: prefill, decode and multi-turn continuation."""

@@ -1,0 +1,1 @@
+"""Train state, jitted updates, training loops and checkpoints."""

@@ -1,0 +1,21 @@
+"""Start the local environment servers and keep them up until Ctrl-C.
+
+    python -m agentgym_jax.launch --config=configs/serve.py --config.envs=maze,wordle
+
+Each environment gets its own server process on a free port of 127.0.0.1; the URLs are logged.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.mode = "serve"
+    config.envs = "textcraft,babyai,maze,wordle"  # comma-separated names from environments/registry.py
+    config.host = "127.0.0.1"
+    config.base_port = 0  # 0: free ports chosen by the OS
+    config.max_sessions = 1024  # per server; past it /create answers 503
+    config.session_idle_timeout_s = 600.0  # abandoned sessions are reaped after this
+    config.auth_token = ""  # when set, every request must carry `Authorization: Bearer <token>`
+    config.play_oracle_episode = True  # after start-up, play one oracle episode per environment
+    return config

@@ -1,0 +1,1 @@
+"""Environment servers: one aiohttp framework plus one folder per environment."""

@@ -1,0 +1,88 @@
+"""The contract every environment implements; the server framework hosts any subclass.
+
+An `Environment` instance is one live episode (one server session). The server holds one lock
+per session, so an instance never sees two calls at once. Everything an environment needs to
+be trained on and evaluated lives here: the instruction text, the parser from model text to an
+action, deterministic task-id splits, a verifier that reads the state, and an oracle.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Any, ClassVar
+
+from agentgym_jax.envs.protocol import StepResult, TaskInfo
+
+_ACTION_RE = re.compile(r"Action:\s*(.*)", re.IGNORECASE | re.DOTALL)
+
+
+def parse_thought_action(text: str) -> str | None:
+    """`Thought: ... Action: <a>` -> `<a>` (first line after the last `Action:`).
+
+    Text without an `Action:` marker is taken as the action itself, so AgentGym clients that
+    send already-parsed actions work unchanged. Empty results are `None` (an invalid action).
+    """
+    matches = list(_ACTION_RE.finditer(text))
+    if matches:
+        text = matches[-1].group(1)
+    for line in text.strip().splitlines():
+        line = " ".join(line.split())
+        if line:
+            return line
+    return None
+
+
+class Environment(abc.ABC):
+    """One episode of one environment. Subclasses set the class attributes and the methods."""
+
+    name: ClassVar[str]
+    instruction: ClassVar[str]  # AgentGym's `conversation_start` (the first user message)
+    success_threshold: ClassVar[float] = 1.0  # on the environment's own score scale
+    has_oracle: ClassVar[bool] = True
+
+    @classmethod
+    @abc.abstractmethod
+    def task_info(cls) -> TaskInfo:
+        """Splits (sorted, process-independent), counts and metadata for `/tasks`."""
+
+    @classmethod
+    def parse_action(cls, text: str) -> str | None:
+        """Model text -> action string, or None when nothing usable was said."""
+        return parse_thought_action(text)
+
+    @abc.abstractmethod
+    def reset(self, data_idx: int) -> str:
+        """Starts task `data_idx` (same task in every process) and returns the first observation."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Applies one parsed action. Invalid actions give reward 0 and `info.invalid_action`."""
+
+    @abc.abstractmethod
+    def observation(self) -> str:
+        """The current observation (what the last reset/step returned)."""
+
+    @abc.abstractmethod
+    def available_actions(self) -> list[str]:
+        """Actions valid in the current state (may be a representative subset)."""
+
+    @abc.abstractmethod
+    def verify(self) -> bool:
+        """Whether the task is solved, read from the environment state, not from rewards."""
+
+    @abc.abstractmethod
+    def oracle_action(self) -> str:
+        """The oracle's next action from the current state; following it solves the task."""
+
+    def score(self) -> float:
+        """The episode score on the environment's own scale (0-1 unless overridden)."""
+        return 1.0 if self.verify() else 0.0
+
+    def close(self) -> None:
+        """Frees engine resources; called when the session ends or is reaped."""
+
+    def result(self, observation: str, reward: float, done: bool, invalid: bool, **info: Any) -> StepResult:
+        """Builds a `StepResult` with the info keys every client relies on."""
+        info = {"invalid_action": invalid, "success": self.verify(), "score": self.score(), **info}
+        return StepResult(observation=observation, reward=float(reward), done=done, info=info)
