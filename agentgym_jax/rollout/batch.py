@@ -1,0 +1,87 @@
+"""Trajectories -> the padded token-level arrays the update step consumes.
+
+Arrays are aligned with tokens: entry t describes token t. The outcome reward sits on the last
+policy token of each trajectory (never on an environment token, where masked estimators would
+lose it). Shapes are padded to buckets so the jitted update compiles once per bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import numpy as np
+
+from agentgym_jax.rollout.trajectory import Trajectory
+
+
+@flax.struct.dataclass
+class TokenBatch:
+    tokens: jax.Array  # [batch, seq] int32
+    positions: jax.Array  # [batch, seq] int32; -1 on padding
+    loss_mask: jax.Array  # [batch, seq] float32; 1 on policy-sampled tokens
+    old_logprobs: jax.Array  # [batch, seq] float32; sampler log-probs on policy tokens
+    token_rewards: jax.Array  # [batch, seq] float32; outcome reward on the last policy token
+    group_ids: jax.Array  # [batch] int32; rows of padding get their own unused group
+    scores: jax.Array  # [batch] float32; the outcome reward per row
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum): few distinct shapes, so few compilations."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def make_token_batch(
+    trajectories: Sequence[Trajectory],
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    pad_id: int = 0,
+) -> TokenBatch:
+    """Right-pads trajectories to `[batch_size, seq_len]` (buckets by default).
+
+    Padding rows have an all-zero mask and a group id of their own, so they contribute nothing.
+    Group ids are renumbered densely (0..num_groups-1) in order of first appearance.
+    """
+    longest = max((len(t.token_ids) for t in trajectories), default=1)
+    seq_len = seq_len or bucket(longest)
+    batch_size = batch_size or len(trajectories)
+    if longest > seq_len:
+        raise ValueError(f"a trajectory has {longest} tokens, more than seq_len={seq_len}")
+    if len(trajectories) > batch_size:
+        raise ValueError(f"{len(trajectories)} trajectories do not fit batch_size={batch_size}")
+
+    tokens = np.full((batch_size, seq_len), pad_id, np.int32)
+    positions = np.full((batch_size, seq_len), -1, np.int32)
+    loss_mask = np.zeros((batch_size, seq_len), np.float32)
+    old_logprobs = np.zeros((batch_size, seq_len), np.float32)
+    token_rewards = np.zeros((batch_size, seq_len), np.float32)
+    scores = np.zeros((batch_size,), np.float32)
+    dense: dict[int, int] = {}
+    group_ids = np.zeros((batch_size,), np.int32)
+    for row, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        tokens[row, :n] = t.token_ids
+        positions[row, :n] = np.arange(n)
+        loss_mask[row, :n] = t.loss_mask
+        old_logprobs[row, :n] = t.logprobs
+        last = t.last_policy_index
+        if last >= 0:
+            token_rewards[row, last] = t.reward
+        scores[row] = t.reward
+        group_ids[row] = dense.setdefault(t.group_id, len(dense))
+    for row in range(len(trajectories), batch_size):
+        group_ids[row] = len(dense) + row - len(trajectories)
+    return TokenBatch(
+        tokens=tokens,
+        positions=positions,
+        loss_mask=loss_mask,
+        old_logprobs=old_logprobs,
+        token_rewards=token_rewards,
+        group_ids=group_ids,
+        scores=scores,
+    )

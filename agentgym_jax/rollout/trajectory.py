@@ -1,0 +1,93 @@
+"""The trajectory record: one episode as the exact token ids the policy saw and produced.
+
+Token in, token out (DESIGN rule 3): `token_ids` is the prompt, then per turn the ids the sampler
+produced followed by the ids appended for the environment's answer. `loss_mask` is 1 exactly on
+sampled ids (including the end-of-turn id the policy sampled). `text` is a decoding kept for
+reading only; nothing is ever re-tokenized from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from agentgym_jax.envs.protocol import EpisodeStatus
+
+
+@dataclasses.dataclass
+class Trajectory:
+    task_id: int
+    env: str
+    group_id: int  # the n samples of one task in one batch share a group id
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 on policy-sampled ids, 0 on prompt, template and environment ids
+    logprobs: list[float]  # sampler log-probs on policy ids, 0.0 elsewhere
+    turn_spans: list[tuple[int, int]]  # [start, end) of each policy turn in token_ids
+    turn_rewards: list[float]  # environment reward after each turn
+    reward: float  # outcome reward of the episode
+    status: EpisodeStatus
+    invalid_actions: int = 0
+    sample_idx: int = 0  # which of the n samples of this task
+    attempt: int = 0  # retries of the same (task, sample) are new attempts, never new tasks
+    policy_version: int = 0  # training step of the params that sampled it
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.status = EpisodeStatus(self.status)
+        self.turn_spans = [tuple(span) for span in self.turn_spans]
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs "
+                f"({len(self.logprobs)}) must have the same length"
+            )
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_spans)
+
+    @property
+    def last_policy_index(self) -> int:
+        """Index of the last policy-sampled token (where the outcome reward sits); -1 if none."""
+        return max((i for i, m in enumerate(self.loss_mask) if m), default=-1)
+
+    @property
+    def success(self) -> bool:
+        return self.status == EpisodeStatus.SUCCESS
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        record["status"] = self.status.value
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Trajectory:
+        return cls(**record)
+
+
+def write_jsonl(path: str, trajectories: Iterable[Trajectory], append: bool = True) -> None:
+    """Appends (or writes) one JSON record per line; flushed and fsynced so a kill loses nothing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for trajectory in trajectories:
+            f.write(json.dumps(trajectory.to_json(), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str) -> Iterator[Trajectory]:
+    """Reads records written by `write_jsonl`; a torn last line (killed writer) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                return  # the writer was killed mid-line; everything before it is intact
+            raise
+        yield Trajectory.from_json(record)
