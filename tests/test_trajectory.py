@@ -1,0 +1,76 @@
+"""Trajectory records: JSONL round trip, crash-safe reading, and the token batch layout."""
+
+import json
+
+import numpy as np
+import pytest
+
+from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
+
+
+def _trajectory(task_id=3, group_id=7, reward=1.0, status="success"):
+    # prompt(3) | policy turn(2) | env(2) | policy turn(3)
+    return Trajectory(
+        task_id=task_id,
+        env="maze",
+        group_id=group_id,
+        token_ids=[5, 6, 7, 20, 21, 8, 9, 22, 23, 24],
+        loss_mask=[0, 0, 0, 1, 1, 0, 0, 1, 1, 1],
+        logprobs=[0, 0, 0, -0.5, -0.1, 0, 0, -0.2, -0.3, -0.05],
+        turn_spans=[(3, 5), (7, 10)],
+        turn_rewards=[0.0, reward],
+        reward=reward,
+        status=status,
+        text="...",
+    )
+
+
+def test_jsonl_round_trip_keeps_every_field(tmp_path):
+    path = str(tmp_path / "t.jsonl")
+    original = [_trajectory(), _trajectory(task_id=4, reward=0.0, status="max_turns")]
+    write_jsonl(path, original)
+    loaded = list(read_jsonl(path))
+    assert loaded == original
+    assert loaded[1].status is EpisodeStatus.MAX_TURNS
+    assert loaded[0].turn_spans == [(3, 5), (7, 10)]
+
+
+def test_torn_last_line_is_skipped_but_corruption_elsewhere_is_an_error(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(str(path), [_trajectory(), _trajectory(task_id=5)])
+    with open(path, "a") as f:
+        f.write(json.dumps(_trajectory(task_id=6).to_json())[:40])  # killed mid-write
+    assert [t.task_id for t in read_jsonl(str(path))] == [3, 5]
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{broken", lines[1]]) + "\n")
+    with pytest.raises(json.JSONDecodeError):
+        list(read_jsonl(str(path)))
+
+
+def test_mismatched_lengths_are_rejected():
+    record = _trajectory().to_json()
+    record["loss_mask"] = record["loss_mask"][:-1]
+    with pytest.raises(ValueError, match="same length"):
+        Trajectory.from_json(record)
+
+
+def test_token_batch_puts_the_reward_on_the_last_policy_token_and_pads_inertly():
+    a = _trajectory(group_id=11, reward=1.0)
+    b = _trajectory(group_id=11, reward=0.5)
+    c = _trajectory(group_id=2, reward=0.25)
+    c.token_ids, c.loss_mask, c.logprobs = c.token_ids[:7], c.loss_mask[:7], c.logprobs[:7]
+    batch = make_token_batch([a, b, c], batch_size=4)
+    assert batch.shape == (4, 16)
+    rewards = np.asarray(batch.token_rewards)
+    assert rewards[0, 9] == 1.0 and rewards[0].sum() == 1.0
+    assert rewards[1, 9] == 0.5
+    assert rewards[2, 4] == 0.25 and rewards[2].sum() == 0.25  # last policy token of the short one
+    np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 2])  # padding row: its own group
+    assert np.asarray(batch.loss_mask)[3].sum() == 0
+    np.testing.assert_array_equal(batch.positions[2], list(range(7)) + [-1] * 9)
+
+
+def test_bucket_is_a_power_of_two_at_least_the_length():
+    assert [bucket(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
