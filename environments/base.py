@@ -40,6 +40,11 @@ class Environment(abc.ABC):
     instruction: ClassVar[str]  # AgentGym's `conversation_start` (the first user message)
     success_threshold: ClassVar[float] = 1.0  # on the environment's own score scale
     has_oracle: ClassVar[bool] = True
+    route_prefixes: ClassVar[tuple[str, ...]] = ()  # AgentGym's path prefixes, e.g. ("/maze",)
+    blocking: ClassVar[bool] = False  # True: the server runs this env's calls in a thread pool
+    # Names of extra zero-argument methods served as `GET /<name>?id=` (AgentGym extras such as
+    # Wordle's `filtered_vocab`); the method's JSON-able return value is the whole answer.
+    extra_queries: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abc.abstractmethod
