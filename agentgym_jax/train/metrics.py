@@ -1,0 +1,73 @@
+"""Per-step metrics to three places: a console progress bar, a JSONL file and TensorBoard events.
+
+The JSONL file is the record of truth (append-only, one line per step, fsynced), so a killed run
+keeps every metric it logged; TensorBoard is for looking at curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+_CONSOLE_KEYS = ("loss", "success_rate", "mean_reward", "kl", "horizon")
+
+
+def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Flattens nested dicts (`status/success`) and converts arrays to Python floats."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            flat.update({f"{key}/{k}": v for k, v in to_scalars(value).items()})
+        else:
+            flat[key] = float(np.asarray(value))
+    return flat
+
+
+class MetricsLogger:
+    """`log(step, metrics)` once per step; `close()` at the end."""
+
+    def __init__(self, logdir: str, total_steps: int, start_step: int = 0, console: bool = True):
+        os.makedirs(logdir, exist_ok=True)
+        self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._tb = SummaryWriter(os.path.join(logdir, "tensorboard"))
+        self._bar = tqdm.tqdm(
+            total=total_steps, initial=start_step, desc="train", disable=not console, dynamic_ncols=True
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        scalars = to_scalars(metrics)
+        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
+        for key, value in scalars.items():
+            if math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+        self._tb.flush()
+        self._bar.set_postfix({k: f"{scalars[k]:.4g}" for k in _CONSOLE_KEYS if k in scalars})
+        self._bar.update(step - self._bar.n)
+        return scalars
+
+    def close(self) -> None:
+        self._bar.close()
+        self._tb.close()
+        self._jsonl.close()
+
+
+def read_metrics(path: str) -> list[dict[str, float]]:
+    """All records of a metrics.jsonl, in order (a torn last line from a kill is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
