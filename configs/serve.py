@@ -18,4 +18,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.session_idle_timeout_s = 600.0  # abandoned sessions are reaped after this
     config.auth_token = ""  # when set, every request must carry `Authorization: Bearer <token>`
     config.play_oracle_episode = True  # after start-up, play one oracle episode per environment
+    config.serve_forever = True  # False: stop after the oracle episodes (tests, the README's main job)
     return config
