@@ -1,0 +1,236 @@
+"""Local environment servers as child processes, and `mode=serve`.
+
+`LocalServers(["maze", "textcraft"])` starts `python -m environments.serve --env=<name>` per
+environment on a free port of 127.0.0.1, waits until each answers `/health`, and stops them on
+exit. The children never outlive the launcher: the context manager and `atexit` stop them on
+errors and Ctrl-C, and on Linux `prctl(PR_SET_PDEATHSIG)` kills them even when the launcher is
+SIGKILLed (the signal fires when the thread that started them ends, so start them from a thread
+that lives as long as you need them).
+
+    python -m agentgym_jax.launch --config=configs/serve.py --config.envs=maze,wordle
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+import ml_collections
+from absl import logging
+
+from agentgym_jax.envs.pool import EnvPool, Episode
+from agentgym_jax.envs.protocol import EpisodeStatus
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+_PR_SET_PDEATHSIG = 1
+_OUTPUT_LINES_KEPT = 50
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child before exec: ask Linux to SIGKILL it when the parent dies."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    """One running server: its environment, URL once known, process and last output lines."""
+
+    env: str
+    process: subprocess.Popen
+    url: str = ""
+    output: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_OUTPUT_LINES_KEPT))
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def describe_exit(self) -> str:
+        return f"{self.env} server exited with code {self.process.returncode}:\n" + "".join(self.output)
+
+
+class LocalServers:
+    """A group of local environment servers; a context manager. `urls` maps env -> base URL."""
+
+    def __init__(
+        self,
+        envs: Sequence[str],
+        *,
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        max_sessions: int = 1024,
+        idle_timeout_s: float = 900.0,
+        auth_token: str = "",
+        startup_timeout_s: float = 120.0,
+    ):
+        if not envs:
+            raise ValueError("no environments to serve")
+        if len(set(envs)) != len(envs):
+            raise ValueError(f"environments listed twice: {list(envs)}")
+        self.envs = list(envs)
+        self.host = host
+        self.base_port = base_port
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.auth_token = auth_token
+        self.startup_timeout_s = startup_timeout_s
+        self.servers: list[ServerProcess] = []
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {s.env: s.url for s in self.servers}
+
+    def __enter__(self) -> LocalServers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Starts every server at once, then waits for each to answer `/health`."""
+        atexit.register(self.stop)
+        try:
+            for i, env in enumerate(self.envs):
+                self.servers.append(self._spawn(env, self.base_port + i if self.base_port else 0))
+            deadline = time.monotonic() + self.startup_timeout_s
+            for server in self.servers:
+                self._wait_ready(server, deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every server, SIGKILL to those still up after `grace_s`."""
+        atexit.unregister(self.stop)
+        for server in self.servers:
+            if server.process.poll() is None:
+                server.process.terminate()
+        deadline = time.monotonic() + grace_s
+        for server in self.servers:
+            try:
+                server.process.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
+        self.servers = []
+
+    def check_alive(self) -> None:
+        """Raises `RuntimeError` with its last output if any server has exited."""
+        for server in self.servers:
+            if server.process.poll() is not None:
+                raise RuntimeError(server.describe_exit())
+
+    def _spawn(self, env: str, port: int) -> ServerProcess:
+        cmd = [
+            sys.executable, "-m", "environments.serve", f"--env={env}", f"--host={self.host}",
+            f"--port={port}", f"--max_sessions={self.max_sessions}", f"--idle_timeout_s={self.idle_timeout_s}",
+        ]
+        if self.auth_token:
+            cmd.append(f"--auth_token={self.auth_token}")
+        env_vars = dict(os.environ)
+        env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env_vars.get("PYTHONPATH")]))
+        preexec = None
+        if sys.platform.startswith("linux"):
+            parent = os.getpid()
+            preexec = lambda: _die_with_parent(parent)  # noqa: E731
+        process = subprocess.Popen(
+            cmd, cwd=_REPO, env=env_vars, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, preexec_fn=preexec,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+        )
+        server = ServerProcess(env, process)
+        threading.Thread(target=self._drain, args=(server,), daemon=True, name=f"{env}-server-output").start()
+        return server
+
+    @staticmethod
+    def _drain(server: ServerProcess) -> None:
+        """Keeps the child's pipe empty, learns its URL from `serving <env> on <url>`."""
+        assert server.process.stdout is not None
+        for line in server.process.stdout:
+            server.output.append(line)
+            if not server.url and line.startswith("serving ") and " on " in line:
+                server.url = line.split(" on ", 1)[1].strip()
+                server.ready.set()
+            elif server.url:
+                logging.info("[%s server] %s", server.env, line.rstrip())
+        server.ready.set()
+
+    def _wait_ready(self, server: ServerProcess, deadline: float) -> None:
+        server.ready.wait(max(deadline - time.monotonic(), 0.0))
+        while time.monotonic() < deadline and server.process.poll() is None:
+            if server.url and _healthy(server.url):
+                return
+            time.sleep(0.05)
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.env} server failed to start: {server.describe_exit()}")
+        raise TimeoutError(f"{server.env} server not healthy after {self.startup_timeout_s} s:\n" + "".join(server.output))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+async def play_oracle_episode(url: str, auth_token: str = "", max_turns: int = 500) -> Episode:
+    """Plays the first test task (or the first task) of the server's environment with its oracle."""
+    async with EnvPool(url, auth_token=auth_token, max_concurrency=4) as pool:
+        info = await pool.tasks()
+        split = info.splits.get("test") or next(ids for ids in info.splits.values() if ids)
+        return await pool.run_episode(split[0], pool.oracle_policy, max_turns=max_turns)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run(config: ml_collections.ConfigDict) -> None:
+    """`mode=serve`: start the servers, play one oracle episode per environment, serve until Ctrl-C."""
+    envs = [name.strip() for name in config.envs.split(",") if name.strip()]
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_system_exit)  # `kill` stops the children in order too
+    servers = LocalServers(
+        envs, host=config.host, base_port=config.base_port, max_sessions=config.max_sessions,
+        idle_timeout_s=config.session_idle_timeout_s, auth_token=config.auth_token,
+    )
+    with servers:
+        for env, url in servers.urls.items():
+            logging.info("%s server on %s", env, url)
+            print(f"{env}: {url}", flush=True)
+        if config.play_oracle_episode:
+            for env, url in servers.urls.items():
+                episode = asyncio.run(play_oracle_episode(url, config.auth_token))
+                success = episode.status is EpisodeStatus.SUCCESS
+                print(
+                    f"oracle episode: env={env} task={episode.data_idx} turns={len(episode.turns)} "
+                    f"reward={episode.reward:.3g} success={success} status={episode.status.value}",
+                    flush=True,
+                )
+                if not success:
+                    raise RuntimeError(f"{env}'s oracle failed task {episode.data_idx}: {episode.status.value} "
+                                       f"{episode.error or ''}; last observation: {episode.turns[-1:]}")
+        if not config.serve_forever:
+            return
+        print("serving until Ctrl-C", flush=True)
+        try:
+            while True:
+                servers.check_alive()
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            logging.info("Ctrl-C: stopping the servers")
