@@ -1,0 +1,1 @@
+"""Maze: an LMRL-Gym style text maze (AgentGym's `agentenv-lmrlgym` maze task)."""

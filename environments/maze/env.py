@@ -1,0 +1,150 @@
+"""The Maze environment: reach the goal square of a grid maze by `move up/down/left/right`.
+
+Observations use LMRL-Gym's wording (goal position, current position, adjacent walls), so
+AgentGym's maze prompts and trajectories read the same here. Reward 1 on reaching the goal,
+0 otherwise; an episode ends at the goal or after `MAX_STEPS` moves. Task id -> (layout, start,
+goal): `TASKS_PER_LAYOUT` start/goal pairs on each of `NUM_LAYOUTS` generated layouts; the last
+`TEST_LAYOUTS` layouts are held out as the test split.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from agentgym_jax.envs.protocol import StepResult, TaskInfo
+from environments.base import Environment, parse_thought_action
+from environments.maze import layouts
+from environments.maze.layouts import MOVES, Position
+
+NUM_LAYOUTS = 12
+TEST_LAYOUTS = 2
+TASKS_PER_LAYOUT = 25
+NUM_TASKS = NUM_LAYOUTS * TASKS_PER_LAYOUT
+MAX_STEPS = 50  # LMRL-Gym's maze limit
+MIN_DISTANCE, MAX_DISTANCE = 4, 30  # shortest-path length of a task, so the limit leaves slack
+
+_MOVE_RE = re.compile(r"^(?:move\s+|go\s+)?(up|down|left|right)$")
+_ACTIONS_TEXT = ", ".join(f'"{a}"' for a in MOVES)
+
+INSTRUCTION = f"""\
+You are an expert maze solver. You stand in a grid maze and must reach the goal in as few moves \
+as possible. Positions are written "x, y": x is the row and y is the column, so "move down" adds \
+1 to x and "move right" adds 1 to y. After every move you are told where the goal is, where you \
+are, and which sides of your square are walls; moving into a wall leaves you where you are. You \
+have {MAX_STEPS} moves. The possible actions are {_ACTIONS_TEXT}.
+
+Answer every turn in this format:
+Thought:
+<your reasoning about where to go>
+
+Action:
+<one action>"""
+
+
+def task(task_id: int) -> tuple[int, Position, Position]:
+    """Task id -> (layout index, start, goal), the same in every process."""
+    layout_idx = task_id // TASKS_PER_LAYOUT
+    layout = layouts.maze_layout(layout_idx)
+    rng = random.Random(7_919 * task_id + 17)
+    cells = layouts.open_cells(layout)
+    while True:
+        goal = rng.choice(cells)
+        far_enough = [c for c, d in sorted(layouts.distances_to(layout, goal).items())
+                      if MIN_DISTANCE <= d <= MAX_DISTANCE]
+        if far_enough:
+            return layout_idx, rng.choice(far_enough), goal
+
+
+def describe_walls(layout: layouts.Layout, position: Position) -> str:
+    x, y = position
+    sides = {"to your right": (0, 1), "to your left": (0, -1), "above you": (-1, 0), "below you": (1, 0)}
+    walls = [side for side, (dx, dy) in sides.items() if not layouts.is_open(layout, (x + dx, y + dy))]
+    if not walls:
+        return "There are no walls around you."
+    if len(walls) == 1:
+        return f"There is a wall {walls[0]}."
+    return f"There are walls {', '.join(walls)}."
+
+
+class MazeEnv(Environment):
+    """One maze episode. Cheap pure-python state, so the server calls it inline."""
+
+    name = "maze"
+    instruction = INSTRUCTION
+    success_threshold = 1.0
+    route_prefixes = ("/maze",)  # AgentGym's LMRL-Gym server serves the maze under /maze
+
+    def __init__(self) -> None:
+        self.layout: layouts.Layout = ()
+        self.position: Position = (0, 0)
+        self.goal: Position = (0, 0)
+        self.steps = 0
+        self._dist: dict[Position, int] = {}
+        self._observation = ""
+
+    @classmethod
+    def task_info(cls) -> TaskInfo:
+        first_test = (NUM_LAYOUTS - TEST_LAYOUTS) * TASKS_PER_LAYOUT
+        return TaskInfo(
+            env=cls.name,
+            instruction=cls.instruction,
+            success_threshold=cls.success_threshold,
+            splits={"train": list(range(first_test)), "test": list(range(first_test, NUM_TASKS))},
+            num_tasks=NUM_TASKS,
+            metadata={"layout": [i // TASKS_PER_LAYOUT for i in range(NUM_TASKS)], "max_steps": MAX_STEPS},
+        )
+
+    @classmethod
+    def parse_action(cls, text: str) -> str | None:
+        """`Thought: ... Action: move up` -> "move up"; other text is kept and judged by `step`."""
+        action = parse_thought_action(text)
+        if action is None:
+            return None
+        match = _MOVE_RE.match(action.lower().strip(" .!\"'`*"))
+        return f"move {match.group(1)}" if match else action
+
+    def reset(self, data_idx: int) -> str:
+        layout_idx, self.position, self.goal = task(data_idx)
+        self.layout = layouts.maze_layout(layout_idx)
+        self._dist = layouts.distances_to(self.layout, self.goal)
+        self.steps = 0
+        self._observation = self._describe()
+        return self._observation
+
+    def _describe(self) -> str:
+        return (f"The goal is at position {self.goal[0]}, {self.goal[1]}. "
+                f"Your current position is at position {self.position[0]}, {self.position[1]}. "
+                + describe_walls(self.layout, self.position))
+
+    def step(self, action: str) -> StepResult:
+        self.steps += 1
+        move = MOVES.get(action)
+        if move is not None:
+            target = (self.position[0] + move[0], self.position[1] + move[1])
+            if layouts.is_open(self.layout, target):
+                self.position = target
+        solved = self.verify()
+        out_of_moves = self.steps >= MAX_STEPS and not solved
+        if solved:
+            self._observation = "Success"
+        elif move is None:
+            self._observation = f"Invalid action {action[:80]!r}. The possible actions are {_ACTIONS_TEXT}. " + self._describe()
+        else:
+            self._observation = self._describe()
+        if out_of_moves:
+            self._observation += f" You have used all {MAX_STEPS} moves."
+        return self.result(self._observation, 1.0 if solved else 0.0, solved or out_of_moves,
+                           invalid=move is None, steps=self.steps)
+
+    def observation(self) -> str:
+        return self._observation
+
+    def available_actions(self) -> list[str]:
+        return list(MOVES)
+
+    def verify(self) -> bool:
+        return bool(self.layout) and self.position == self.goal
+
+    def oracle_action(self) -> str:
+        return layouts.next_move(self.layout, self._dist, self.position)

@@ -1,0 +1,93 @@
+"""Deterministic maze layouts and breadth-first search over them.
+
+A layout is a tuple of strings, `#` a wall and `.` open floor, with walls all around. Layouts
+come from a seeded `random.Random` (never `hash()`), so a layout index means the same maze in
+every process. Positions are `(x, y)` = (row, column), as in LMRL-Gym's maze.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import random
+
+Layout = tuple[str, ...]
+Position = tuple[int, int]
+
+# action -> (dx, dy); "down" adds 1 to the row x, "right" adds 1 to the column y.
+MOVES: dict[str, Position] = {
+    "move up": (-1, 0),
+    "move down": (1, 0),
+    "move left": (0, -1),
+    "move right": (0, 1),
+}
+
+
+def generate_layout(seed: int, height: int = 9, width: int = 13, extra_openings: int = 4) -> Layout:
+    """A depth-first-search maze on the odd cells, plus `extra_openings` knocked-out walls.
+
+    The openings add loops, so a shortest path is a real choice rather than the only path.
+    """
+    if height % 2 == 0 or width % 2 == 0 or height < 5 or width < 5:
+        raise ValueError(f"maze sides must be odd and >= 5, got {height}x{width}")
+    rng = random.Random(seed)
+    grid = [["#"] * width for _ in range(height)]
+    start = (1, 1)
+    grid[1][1] = "."
+    stack = [start]
+    while stack:
+        x, y = stack[-1]
+        neighbours = [(x + dx, y + dy) for dx, dy in ((-2, 0), (2, 0), (0, -2), (0, 2))
+                      if 0 < x + dx < height - 1 and 0 < y + dy < width - 1 and grid[x + dx][y + dy] == "#"]
+        if not neighbours:
+            stack.pop()
+            continue
+        nx, ny = rng.choice(neighbours)
+        grid[(x + nx) // 2][(y + ny) // 2] = "."
+        grid[nx][ny] = "."
+        stack.append((nx, ny))
+    # Walls between two open cells (in a row or a column) that can be knocked out to make loops.
+    candidates = [(x, y) for x in range(1, height - 1) for y in range(1, width - 1)
+                  if grid[x][y] == "#" and ((x % 2 == 1) != (y % 2 == 1))]
+    for x, y in rng.sample(candidates, min(extra_openings, len(candidates))):
+        grid[x][y] = "."
+    return tuple("".join(row) for row in grid)
+
+
+def open_cells(layout: Layout) -> list[Position]:
+    """Open positions in row-major order."""
+    return [(x, y) for x, row in enumerate(layout) for y, cell in enumerate(row) if cell == "."]
+
+
+def is_open(layout: Layout, position: Position) -> bool:
+    x, y = position
+    return 0 <= x < len(layout) and 0 <= y < len(layout[x]) and layout[x][y] == "."
+
+
+def distances_to(layout: Layout, goal: Position) -> dict[Position, int]:
+    """Breadth-first search from `goal`: the number of moves from each reachable open cell."""
+    dist = {goal: 0}
+    queue = collections.deque([goal])
+    while queue:
+        x, y = queue.popleft()
+        for dx, dy in MOVES.values():
+            nxt = (x + dx, y + dy)
+            if nxt not in dist and is_open(layout, nxt):
+                dist[nxt] = dist[(x, y)] + 1
+                queue.append(nxt)
+    return dist
+
+
+def next_move(layout: Layout, dist: dict[Position, int], position: Position) -> str:
+    """The first move (in `MOVES` order) that brings `position` one step closer to the goal."""
+    x, y = position
+    for action, (dx, dy) in MOVES.items():
+        if dist.get((x + dx, y + dy), -1) == dist[position] - 1:
+            return action
+    raise ValueError(f"no move from {position} gets closer to the goal")
+
+
+@functools.lru_cache(maxsize=None)
+def maze_layout(index: int) -> Layout:
+    """The maze with this index; the seed is spelled out so it never depends on the process."""
+    return generate_layout(seed=1_000 + index)

@@ -1,0 +1,85 @@
+"""Runs one environment server: `python -m environments.serve --env=maze --port=8000`.
+
+`--env` is a registered name (`environments/registry.py`) or `package.module:Class` for an
+`Environment` subclass of your own. Binds 127.0.0.1 unless told otherwise; `--port=0` takes a
+free port. Prints `serving <env> on http://<host>:<port>` once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from environments import registry
+from environments.base import Environment
+from environments.server import DEFAULT_MAX_BODY_BYTES, make_app
+
+
+def resolve_environment(spec: str) -> type[Environment]:
+    """A registered name or `module:Class` -> the environment class; a clear error otherwise."""
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+        cls = getattr(importlib.import_module(module), name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"{spec!r} is not an Environment subclass")
+        return cls
+    return registry.get_environment(spec)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m environments.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--env", required=True, help=f"one of {', '.join(sorted(registry.ENVIRONMENTS))}, or module:Class")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--auth_token", default=None, help="require `Authorization: Bearer <token>` (all but /health)")
+    parser.add_argument("--max_sessions", type=int, default=1024, help="past it /create answers 503")
+    parser.add_argument("--idle_timeout_s", type=float, default=900.0, help="sessions idle this long are closed")
+    parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    parser.add_argument("--threads", type=int, default=None, help="thread pool size for blocking environments")
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace, env_cls: type[Environment]) -> None:
+    app = make_app(
+        env_cls,
+        max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout_s,
+        auth_token=args.auth_token,
+        max_body_bytes=args.max_body_bytes,
+        threads=args.threads,
+    )
+    runner = web.AppRunner(app, access_log=None)  # no per-request logging on the hot path
+    await runner.setup()
+    sock = socket.create_server((args.host, args.port), backlog=1024, reuse_port=False)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    host, port = sock.getsockname()[:2]
+    print(f"serving {env_cls.name} on http://{host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()  # closes every open session
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        env_cls = resolve_environment(args.env)
+    except (KeyError, ValueError, ImportError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
+    asyncio.run(serve(args, env_cls))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The aiohttp server that hosts any `Environment` subclass behind the AgentGym protocol.
+
+`make_app(env_cls, ...)` returns an `aiohttp.web.Application`; `environments/serve.py` runs it.
+Requests and answers are described in `docs/protocol.md`. Every error is an HTTP status with a
+JSON body `{"error": ...}`; nothing a client sends can crash the server or touch another session.
+Cheap environments run inline on the event loop; `Environment.blocking = True` moves an
+environment's calls to a thread pool (one call per session at a time, per the session lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import hmac
+import json
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+from aiohttp import web
+
+from agentgym_jax.envs import protocol
+from agentgym_jax.envs.protocol import ProtocolError
+from environments.base import Environment
+from environments.sessions import Session, SessionTable, reap_forever
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024  # far above any model turn; a 1 MB action is refused (413)
+UNPARSED_ACTION = (
+    "Invalid action: no action found in your reply. "
+    "Answer in the format \"Thought: <your thoughts> Action: <one action>\"."
+)
+
+
+class EnvironmentFailure(Exception):
+    """An exception escaped the environment; the session is marked broken (HTTP 500)."""
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+def _error_middleware(env_name: str, body_limit: int):
+    """Turns every failure into a JSON `{"error"}` answer (aiohttp's own pages are text/HTML)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProtocolError as e:
+            return _error(e.status, str(e))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            if isinstance(e, web.HTTPNotFound):
+                return _error(404, f"unknown path {request.path!r}; endpoints: {', '.join(protocol.ENDPOINTS)}")
+            if isinstance(e, web.HTTPMethodNotAllowed):
+                allowed = ", ".join(sorted(e.allowed_methods))
+                return _error(405, f"{request.method} not allowed on {request.path}; use {allowed}", Allow=allowed)
+            if isinstance(e, web.HTTPRequestEntityTooLarge):
+                return _error(413, f"request body too large (limit {body_limit} bytes)")
+            return _error(e.status, e.text or e.reason)
+        except EnvironmentFailure as e:
+            return _error(500, str(e))
+        except Exception as e:  # a bug in the framework itself; keep serving
+            log.exception("internal error on %s %s", request.method, request.path)
+            return _error(500, f"internal error in the {env_name} server: {type(e).__name__}: {e}")
+
+    return middleware
+
+
+def _auth_middleware(token: str, open_paths: frozenset[str]):
+    """Requires `Authorization: Bearer <token>` on every path except the health checks."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in open_paths:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object; an empty body is `{}` (AgentGym's clients post none to /create)."""
+    raw = await request.read()  # raises 413 past client_max_size
+    if not raw.strip():
+        return {}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"request body is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"request body is not valid JSON: {e}"[:300]) from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class EnvServer:
+    """The protocol handlers for one environment class over one session table."""
+
+    def __init__(self, env_cls: type[Environment], table: SessionTable, executor: concurrent.futures.Executor | None):
+        self.env_cls = env_cls
+        self.table = table
+        self.executor = executor  # None: call the environment inline on the event loop
+        self.task_info = env_cls.task_info()
+        self.num_tasks = self.task_info.num_tasks
+        self.tasks_body = json.dumps(self.task_info.to_json())
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any) -> T:
+        """Runs an environment call; an exception marks the session broken and becomes a 500."""
+        try:
+            return await self._call(fn, *args)
+        except Exception as e:
+            session.broken = True
+            log.exception("%s session %d failed", self.env_cls.name, session.id)
+            raise EnvironmentFailure(
+                f"{self.env_cls.name} session {session.id} failed: {type(e).__name__}: {e}; "
+                "the session is broken: reset or close it"
+            ) from e
+
+    def _session(self, fields: Any) -> Session:
+        return self.table.get(protocol.pick(fields, protocol.SESSION_ID_ALIASES, int, "id"))
+
+    @staticmethod
+    def _check_live(session: Session, what: str) -> None:
+        """Refuses calls that need a running episode (409: the request conflicts with the state)."""
+        if session.closed:
+            raise ProtocolError(f"session {session.id} was closed", 404)
+        if session.broken:
+            raise ProtocolError(f"session {session.id} is broken by an earlier environment error; reset or close it", 409)
+        if session.data_idx is None:
+            raise ProtocolError(f"session {session.id} has no episode yet: POST /reset before {what}", 409)
+
+    async def _close_env(self, session: Session) -> None:
+        async with session.lock:  # waits for a call in flight to finish
+            try:
+                await self._call(session.env.close)
+            except Exception:
+                log.exception("%s session %d failed to close", self.env_cls.name, session.id)
+
+    # --- handlers ---
+
+    async def create(self, request: web.Request) -> web.Response:
+        await _json_body(request)  # AgentGym's TextCraft client posts settings we do not need
+        session = await self.table.create(functools.partial(self._call, self.env_cls))
+        # TextCraft's client reads `observation` here; the episode starts with /reset.
+        return web.json_response({"id": session.id, "observation": ""})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        session = self._session(body)
+        data_idx = protocol.pick(body, protocol.TASK_ID_ALIASES, int, "data_idx")
+        if not 0 <= data_idx < self.num_tasks:
+            raise ProtocolError(f"data_idx {data_idx} out of range: valid task ids are 0..{self.num_tasks - 1}")
+        async with session.lock:
+            if session.closed:
+                raise ProtocolError(f"session {session.id} was closed", 404)
+            observation, score = await self._call_env(session, _reset, session.env, data_idx)
+            session.data_idx, session.done, session.broken = data_idx, False, False
+            session.steps = session.invalid_actions = 0
+        return web.json_response(
+            {"id": session.id, "data_idx": data_idx, "observation": observation,
+             "reward": 0.0, "score": score, "done": False}
+        )
+
+    async def step(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        session = self._session(body)
+        text = protocol.pick(body, protocol.ACTION_ALIASES, str, "action")
+        async with session.lock:
+            self._check_live(session, "/step")
+            if session.done:
+                raise ProtocolError(f"episode of session {session.id} is done; POST /reset to start another", 409)
+            result = await self._call_env(session, _step, session.env, text)
+            session.steps += 1
+            session.done = result.done
+            if result.info.get("invalid_action"):
+                session.invalid_actions += 1
+            answer = result.to_json()
+        answer["info"]["invalid_actions"] = session.invalid_actions
+        answer["score"] = answer["info"].get("score", 0.0)  # AgentGym's BabyAI client reads it here
+        return web.json_response(answer)
+
+    async def _query(self, request: web.Request, what: str, read: Callable[[Environment], Any],
+                     needs_episode: bool = True, refuse_done: bool = False) -> Any:
+        session = self._session(request.query)
+        async with session.lock:
+            if needs_episode:
+                self._check_live(session, what)
+            elif session.closed:
+                raise ProtocolError(f"session {session.id} was closed", 404)
+            if refuse_done and session.done:
+                raise ProtocolError(f"episode of session {session.id} is done; nothing left for {what}", 409)
+            return await self._call_env(session, read, session.env)
+
+    async def observation(self, request: web.Request) -> web.Response:
+        observation = await self._query(request, "/observation", lambda env: env.observation())
+        return web.json_response({"observation": observation})
+
+    async def available_actions(self, request: web.Request) -> web.Response:
+        actions = await self._query(request, "/available_actions", lambda env: list(env.available_actions()))
+        return web.json_response({"available_actions": actions})
+
+    async def oracle_action(self, request: web.Request) -> web.Response:
+        if not self.env_cls.has_oracle:
+            raise ProtocolError(f"{self.env_cls.name} has no oracle", 501)
+        action = await self._query(request, "/oracle_action", lambda env: env.oracle_action(), refuse_done=True)
+        return web.json_response({"action": action})
+
+    def extra_query(self, name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            value = await self._query(request, f"/{name}", lambda env: getattr(env, name)(), needs_episode=False)
+            return web.json_response(value)
+
+        return handler
+
+    async def close(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        session_id = protocol.pick(body, protocol.SESSION_ID_ALIASES, int, "id")
+        session = self.table.pop(session_id)
+        await self._close_env(session)
+        return web.json_response({"id": session_id, "closed": True})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "env": self.env_cls.name, "sessions": len(self.table),
+             "max_sessions": self.table.max_sessions}
+        )
+
+    async def tasks(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.tasks_body, content_type="application/json")
+
+    async def close_all(self) -> None:
+        for session in self.table.all():
+            self.table.pop(session.id)
+            await self._close_env(session)
+
+
+def _reset(env: Environment, data_idx: int) -> tuple[str, float]:
+    return env.reset(data_idx), env.score()
+
+
+def _step(env: Environment, text: str) -> protocol.StepResult:
+    """Model text or a parsed action -> one step; unreadable text is an ordinary invalid turn."""
+    action = env.parse_action(text)
+    if action is None:
+        return env.result(UNPARSED_ACTION, 0.0, False, invalid=True)
+    return env.step(action)
+
+
+def make_app(
+    env_cls: type[Environment],
+    *,
+    max_sessions: int = 1024,
+    idle_timeout_s: float = 900.0,
+    auth_token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    threads: int | None = None,
+) -> web.Application:
+    """An aiohttp app serving `env_cls` on the plain paths and on each of its `route_prefixes`.
+
+    `auth_token` guards every path but `/health` (so launchers can wait for readiness without
+    it). `threads` sizes the pool used when `env_cls.blocking` (default: min(32, max_sessions)).
+    """
+    table = SessionTable(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
+    executor = None
+    if env_cls.blocking:
+        workers = threads or min(32, max_sessions)
+        executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{env_cls.name}-env")
+    server = EnvServer(env_cls, table, executor)
+
+    prefixes = ("",) + tuple(env_cls.route_prefixes)
+    middlewares = [_error_middleware(env_cls.name, max_body_bytes)]
+    if auth_token:
+        middlewares.append(_auth_middleware(auth_token, frozenset(f"{p}/health" for p in prefixes)))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+
+    routes = [
+        ("POST", "/create", server.create),
+        ("POST", "/reset", server.reset),
+        ("POST", "/step", server.step),
+        ("GET", "/observation", server.observation),
+        ("GET", "/available_actions", server.available_actions),
+        ("GET", "/oracle_action", server.oracle_action),
+        ("POST", "/close", server.close),
+        ("GET", "/health", server.health),
+        ("GET", "/tasks", server.tasks),
+    ] + [("GET", f"/{name}", server.extra_query(name)) for name in env_cls.extra_queries]
+    for prefix in prefixes:
+        app.router.add_routes([web.route(method, prefix + path, handler) for method, path, handler in routes])
+
+    async def lifetime(app: web.Application):
+        reaper = asyncio.create_task(reap_forever(table, server._close_env))
+        yield
+        reaper.cancel()
+        await server.close_all()
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app.cleanup_ctx.append(lifetime)
+    app["env_server"] = server
+    return app

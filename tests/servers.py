@@ -1,0 +1,82 @@
+"""Starts real environment servers (`python -m environments.serve`) for tests.
+
+    from tests.servers import start_server
+
+    with start_server("maze", max_sessions=8) as url:   # url = "http://127.0.0.1:<port>"
+        ...
+
+    @pytest.fixture(scope="module")
+    def maze_url():
+        with start_server("maze") as url:
+            yield url
+
+Keyword arguments become `--key=value` flags of `environments.serve`; `env_vars` adds to the
+subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free port on
+127.0.0.1, the call returns once `/health` answers, and the process is killed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def start_server(env: str, *, env_vars: dict[str, str] | None = None, timeout_s: float = 60.0,
+                 **flags: object) -> Iterator[str]:
+    """Runs `python -m environments.serve --env=<env> --port=0 ...` and yields its base URL."""
+    flags.setdefault("port", 0)
+    cmd = [sys.executable, "-m", "environments.serve", f"--env={env}"]
+    cmd += [f"--{key}={value}" for key, value in flags.items()]
+    proc_env = {**os.environ, **(env_vars or {})}
+    proc_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), proc_env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=proc_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:  # keeps the pipe empty so the server never blocks on a full buffer
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("serving "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        url = _wait_ready(proc, ready, output, timeout_s, cmd)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _wait_ready(proc: subprocess.Popen, ready: threading.Event, output: list[str],
+                timeout_s: float, cmd: list[str]) -> str:
+    deadline = time.monotonic() + timeout_s
+    ready.wait(timeout_s)
+    line = next((l for l in output if l.startswith("serving ")), None)
+    if line is None:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{''.join(output)[-4000:]}")
+    url = line.split(" on ", 1)[1].strip()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.05)
+    raise RuntimeError(f"server at {url} never answered /health: {' '.join(cmd)}\n{''.join(output)[-4000:]}")
