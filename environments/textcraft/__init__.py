@@ -1,0 +1,1 @@
+"""TextCraft: Minecraft crafting from the `textcraft` package recipes (AgentGym rules)."""
