@@ -10,6 +10,9 @@
         with start_server("maze") as url:
             yield url
 
+`request_json(url, "POST", "/step", {"id": 0, "action": "move up"})` -> `(status, body)` is a
+small synchronous HTTP call for tests; 4xx/5xx answers come back as values, not exceptions.
+
 Keyword arguments become `--key=value` flags of `environments.serve`; `env_vars` adds to the
 subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free port on
 127.0.0.1, the call returns once `/health` answers, and the process is killed on exit.
@@ -18,6 +21,7 @@ subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import subprocess
@@ -26,7 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Iterator
+from typing import Any, Iterator
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,3 +84,21 @@ def _wait_ready(proc: subprocess.Popen, ready: threading.Event, output: list[str
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.05)
     raise RuntimeError(f"server at {url} never answered /health: {' '.join(cmd)}\n{''.join(output)[-4000:]}")
+
+
+def request_json(url: str, method: str, path: str, body: Any = None, *, data: bytes | None = None,
+                 headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> tuple[int, Any]:
+    """One HTTP call; `body` is sent as JSON (or `data` as raw bytes). Returns (status, parsed JSON).
+
+    Fails the test when the answer is not JSON: every answer of our servers is.
+    """
+    if body is not None:
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            status, raw, kind = answer.status, answer.read(), answer.headers.get_content_type()
+    except urllib.error.HTTPError as e:
+        status, raw, kind = e.code, e.read(), e.headers.get_content_type()
+    assert kind == "application/json", f"{method} {path} -> {status} {kind}: {raw[:200]!r}"
+    return status, json.loads(raw)
