@@ -1,0 +1,238 @@
+"""Advantage estimators for multi-turn trajectories: GRPO, Dr. GRPO, RLOO, REINFORCE++, GAE.
+
+Data layout (shared by everything in `rl/` and by the trainer). A batch of multi-turn trajectories
+is stored as token-level arrays `[batch, seq]`, one row per trajectory, turns concatenated:
+  loss_mask      1 only on tokens the policy sampled, including the end-of-turn token it sampled;
+                 system / user / environment / template tokens and padding are 0
+  token_rewards  the outcome reward on the LAST policy token of the trajectory; optional per-turn
+                 rewards on the last policy token of their turn; 0 elsewhere
+  old_logprobs   log-prob of each token under the policy that sampled it
+  ref_logprobs   log-prob of each token under the frozen reference policy
+  values         critic value at each token (PPO with GAE)
+and per trajectory `[batch]`:
+  group_ids      integer id of the task a trajectory answers; the n samples of one task share it
+                 (GRPO / RLOO groups). Any integers, in any order, not necessarily contiguous
+  scores         the trajectory's scalar outcome (by default the sum of its policy-token rewards)
+
+Only rewards on policy tokens count: every estimator reads `token_rewards` through `loss_mask`.
+Each estimator returns `(advantages, returns)`, both `[batch, seq]` and 0 off the mask. The
+recursions (REINFORCE++, GAE) run as a reversed `jax.lax.scan` over the sequence axis in which
+an environment token passes the running quantities through unchanged, so the credit of turn t+1
+reaches turn t across the environment's reply. See docs/algorithms.md for the formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from agentgym_jax.rl.masked import check_same_shape, masked_sum, masked_whiten
+
+
+def sequence_scores(token_rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """`[batch, seq] -> [batch]`: the sum of each trajectory's policy-token rewards."""
+    return masked_sum(token_rewards, loss_mask, axis=-1)
+
+
+def grpo(
+    scores: jax.Array,  # [batch]
+    loss_mask: jax.Array,  # [batch, seq]
+    group_ids: jax.Array,  # [batch] int
+    *,
+    num_groups: int | None = None,
+    epsilon: float = 1e-6,
+    scale_by_std: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """GRPO: `(r - mean_g) / (std_g + epsilon)` (unbiased std, ddof=1) on every policy token.
+
+    `scale_by_std=False` gives Dr. GRPO's `r - mean_g`. A group of one trajectory gets advantage 0
+    (its std is undefined and it carries no relative signal). `num_groups` bounds the number of
+    distinct ids (a static size for the segment ops); it defaults to the batch size, always enough.
+    """
+    centered, group_size, index, num_groups = _group_centered(
+        scores, loss_mask, group_ids, num_groups
+    )
+    advantages = centered
+    if scale_by_std:
+        sum_sq = jax.ops.segment_sum(centered**2, index, num_groups)[index]
+        std = jnp.sqrt(sum_sq / jnp.maximum(group_size - 1.0, 1.0))
+        advantages = centered / (std + epsilon)
+    advantages = jnp.where(group_size > 1, advantages, 0.0)
+    advantages = jnp.where(loss_mask, advantages[:, None], 0.0)
+    return advantages, advantages
+
+
+def rloo(
+    scores: jax.Array,  # [batch]
+    loss_mask: jax.Array,  # [batch, seq]
+    group_ids: jax.Array,  # [batch] int
+    *,
+    num_groups: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """RLOO: `r_i - mean_{j != i} r_j` within the group, = n/(n-1) (r_i - mean_g).
+
+    A group of one trajectory (no other sample to compare with) gets advantage 0.
+    """
+    centered, group_size, _, _ = _group_centered(scores, loss_mask, group_ids, num_groups)
+    leave_one_out_scale = group_size / jnp.maximum(group_size - 1.0, 1.0)
+    advantages = jnp.where(group_size > 1, centered * leave_one_out_scale, 0.0)
+    advantages = jnp.where(loss_mask, advantages[:, None], 0.0)
+    return advantages, advantages
+
+
+def reinforce_plus_plus(
+    token_rewards: jax.Array,  # [batch, seq]
+    loss_mask: jax.Array,  # [batch, seq]
+    *,
+    gamma: float = 1.0,
+    epsilon: float = 1e-8,
+) -> tuple[jax.Array, jax.Array]:
+    """REINFORCE++: return-to-go over policy tokens, whitened over the batch's policy tokens.
+
+    `G_t = r_t + gamma * G_next` on a policy token, where G_next is the return of the next policy
+    token (environment tokens pass it through undiscounted); then `masked_whiten(G)`. A KL penalty
+    in the reward is the caller's (`kl.apply_kl_penalty` before this).
+    """
+    check_same_shape(token_rewards=token_rewards, loss_mask=loss_mask)
+    _check_unit_interval(gamma=gamma)
+
+    def step(running_return, inputs):  # [batch]
+        reward, mask = inputs
+        running_return = jnp.where(mask, reward + gamma * running_return, running_return)
+        return running_return, jnp.where(mask, running_return, 0.0)
+
+    init = jnp.zeros(token_rewards.shape[:1], _float_dtype(token_rewards))
+    returns = _reverse_scan_over_seq(step, init, token_rewards, loss_mask)
+    return masked_whiten(returns, loss_mask, epsilon), returns
+
+
+def gae(
+    token_rewards: jax.Array,  # [batch, seq]
+    values: jax.Array,  # [batch, seq]
+    loss_mask: jax.Array,  # [batch, seq]
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[jax.Array, jax.Array]:
+    """GAE over the policy tokens of multi-turn episodes.
+
+    On policy token t with next policy token t' (none after the last one: value 0, advantage 0):
+    `delta_t = r_t + gamma * V_t' - V_t` and `A_t = delta_t + gamma * lam * A_t'`. Environment
+    tokens are skipped, so the last token of turn k bootstraps from the first token of turn k+1.
+    Returns `(A, A + V)` on policy tokens; `whiten=True` (verl's default) whitens A over the batch
+    after the returns are formed.
+    """
+    check_same_shape(token_rewards=token_rewards, values=values, loss_mask=loss_mask)
+    _check_unit_interval(gamma=gamma, lam=lam)
+
+    def step(carry, inputs):  # carry: value and advantage of the next policy token, [batch] each
+        next_value, next_advantage = carry
+        reward, value, mask = inputs
+        advantage = reward + gamma * next_value - value + gamma * lam * next_advantage
+        carry = (jnp.where(mask, value, next_value), jnp.where(mask, advantage, next_advantage))
+        return carry, jnp.where(mask, advantage, 0.0)
+
+    zeros = jnp.zeros(token_rewards.shape[:1], _float_dtype(token_rewards))
+    advantages = _reverse_scan_over_seq(step, (zeros, zeros), token_rewards, values, loss_mask)
+    returns = jnp.where(loss_mask, advantages + values, 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, loss_mask, epsilon)
+    return advantages, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "grpo": grpo,
+    "dr_grpo": functools.partial(grpo, scale_by_std=False),
+    "rloo": rloo,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "gae": gae,
+}
+
+
+def compute_advantages(
+    estimator: str,
+    *,
+    token_rewards: jax.Array,  # [batch, seq]
+    loss_mask: jax.Array,  # [batch, seq]
+    values: jax.Array | None = None,  # [batch, seq]
+    group_ids: jax.Array | None = None,  # [batch]
+    scores: jax.Array | None = None,  # [batch]; default: sequence_scores(token_rewards, loss_mask)
+    **hparams,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs `ADVANTAGE_ESTIMATORS[estimator]` on the batch fields it needs, with its `hparams`.
+
+    Raises `ValueError` for an unknown estimator, a missing input (GAE without values, GRPO without
+    group ids) or a hyper-parameter the estimator does not take.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        valid = ", ".join(ADVANTAGE_ESTIMATORS)
+        raise ValueError(f"unknown estimator {estimator!r}; valid: {valid}")
+    fn = ADVANTAGE_ESTIMATORS[estimator]
+    if scores is None:
+        scores = sequence_scores(token_rewards, loss_mask)
+    available = dict(
+        token_rewards=token_rewards,
+        loss_mask=loss_mask,
+        values=values,
+        group_ids=group_ids,
+        scores=scores,
+    )
+    params = inspect.signature(fn).parameters.values()
+    inputs = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    valid_hparams = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    valid_hparams -= set(getattr(fn, "keywords", {}))  # fixed by a functools.partial
+    if unknown := sorted(set(hparams) - valid_hparams):
+        raise ValueError(f"{estimator} takes no {unknown}; valid: {sorted(valid_hparams)}")
+    if missing := [name for name in inputs if available[name] is None]:
+        raise ValueError(f"{estimator} needs {', '.join(missing)}")
+    return fn(*(available[name] for name in inputs), **hparams)
+
+
+def _group_centered(
+    scores: jax.Array, loss_mask: jax.Array, group_ids: jax.Array, num_groups: int | None
+) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """Per trajectory: score minus its group mean, group size, dense group index; and num_groups.
+
+    Arbitrary integer ids are mapped to 0..num_groups-1 with a static-size `jnp.unique`. The mean is
+    taken of scores shifted by the group maximum, so an all-equal group centres to exactly 0.
+    """
+    scores, group_ids = jnp.asarray(scores), jnp.asarray(group_ids)
+    batch = loss_mask.shape[0]
+    if loss_mask.ndim != 2 or scores.shape != (batch,) or group_ids.shape != (batch,):
+        raise ValueError(
+            f"scores {scores.shape} and group_ids {group_ids.shape} must be [batch] and match "
+            f"loss_mask {loss_mask.shape} [batch, seq]"
+        )
+    num_groups = batch if num_groups is None else num_groups
+    if not isinstance(group_ids, jax.core.Tracer) and len(jnp.unique(group_ids)) > num_groups:
+        distinct = len(jnp.unique(group_ids))
+        raise ValueError(f"{distinct} distinct group ids > num_groups={num_groups}")
+    _, index = jnp.unique(group_ids, return_inverse=True, size=num_groups)
+    index = index.reshape(batch)
+    scores = scores.astype(_float_dtype(scores))
+    group_size = jax.ops.segment_sum(jnp.ones_like(scores), index, num_groups)[index]
+    shifted = scores - jax.ops.segment_max(scores, index, num_groups)[index]
+    group_mean = jax.ops.segment_sum(shifted, index, num_groups)[index] / group_size
+    return shifted - group_mean, group_size, index, num_groups
+
+
+def _reverse_scan_over_seq(step: Callable, init, *arrays: jax.Array) -> jax.Array:
+    """Scans `step` over `[batch, seq]` arrays from the last position to the first."""
+    _, outputs = jax.lax.scan(step, init, tuple(a.T for a in arrays), reverse=True)
+    return outputs.T
+
+
+def _float_dtype(x: jax.Array) -> jnp.dtype:
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _check_unit_interval(**hparams: float) -> None:
+    for name, value in hparams.items():
+        if isinstance(value, (int, float)) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")

@@ -1,0 +1,78 @@
+"""Interaction-horizon schedules: the most turns an episode may take at a given training step.
+
+ScalingInter-RL (AgentGym-RL) starts with a short horizon and raises it in stages, e.g. 10 -> 20
+-> 30 turns every 100 steps. Here a schedule is a pure function of the training step, so a resumed
+run gets exactly the horizon the uninterrupted run had (AgentGym-RL's stateful scheduler is one
+stage ahead after a resume).
+
+Step convention: `step` counts the updates already done (0 for the first training step, which is
+the value a checkpoint written after n updates restores). Stage k covers steps
+`[k * steps_per_stage, (k + 1) * steps_per_stage)`; the last stage lasts forever. With
+`stepwise((10, 20, 30), 100)`: steps 0..99 -> 10 turns, 100..199 -> 20, 200.. -> 30.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class HorizonSchedule:
+    """Turns allowed per stage; a new stage every `steps_per_stage` training steps."""
+
+    rounds: tuple[int, ...]
+    steps_per_stage: int
+
+    def __post_init__(self):
+        if not self.rounds or any(not isinstance(r, int) or r < 1 for r in self.rounds):
+            raise ValueError(f"rounds must be positive integers, got {self.rounds!r}")
+        if not isinstance(self.steps_per_stage, int) or self.steps_per_stage < 1:
+            raise ValueError(
+                f"steps_per_stage must be a positive integer, got {self.steps_per_stage!r}"
+            )
+
+    def stage(self, step: int) -> int:
+        """Index into `rounds` for training step `step` (>= 0)."""
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return min(step // self.steps_per_stage, len(self.rounds) - 1)
+
+    def horizon(self, step: int) -> int:
+        """Maximum number of turns per episode at training step `step` (>= 0)."""
+        return self.rounds[self.stage(step)]
+
+
+def fixed(rounds: int) -> HorizonSchedule:
+    """The same horizon at every step."""
+    return HorizonSchedule(rounds=(rounds,), steps_per_stage=1)
+
+
+def stepwise(rounds: Sequence[int] = (10, 20, 30), steps_per_stage: int = 100) -> HorizonSchedule:
+    """ScalingInter-RL: `rounds[k]` turns in stage k; a stage lasts `steps_per_stage` steps."""
+    return HorizonSchedule(rounds=tuple(rounds), steps_per_stage=steps_per_stage)
+
+
+HORIZON_SCHEDULES = {"fixed": fixed, "stepwise": stepwise}
+
+
+def from_config(config: Mapping[str, Any]) -> HorizonSchedule:
+    """A schedule from a dict or ConfigDict: `{"schedule": "fixed", "rounds": 10}` or
+    `{"schedule": "stepwise", "rounds": [10, 20, 30], "steps_per_stage": 100}`.
+    """
+    params = dict(config.items())
+    name = params.pop("schedule", None)
+    if name not in HORIZON_SCHEDULES:
+        valid = ", ".join(HORIZON_SCHEDULES)
+        raise ValueError(f"unknown horizon schedule {name!r}; valid: {valid}")
+    builder = HORIZON_SCHEDULES[name]
+    valid = inspect.signature(builder).parameters
+    if unknown := sorted(set(params) - set(valid)):
+        raise ValueError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
+    if "rounds" not in params:
+        raise ValueError(f"horizon schedule {name!r} needs 'rounds'")
+    return builder(**params)

@@ -1,0 +1,109 @@
+"""PPO-family losses on token-level arrays: clipped policy surrogate, clipped value loss, entropy.
+
+Every input is `[batch, seq]` (logits `[batch, seq, vocab]`) and aligned so that position t holds
+the log-probability / value / advantage of token t. `loss_mask` is 1 only on tokens the policy
+sampled; all other positions are ignored, whatever they hold. The reduction to a scalar is an
+explicit `agg_mode` (one of `masked.LOSS_AGG_MODES`); metrics are token means over policy tokens.
+The KL-to-reference loss term lives in `kl.py` (`kl_loss`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from agentgym_jax.rl.kl import kl_divergence
+from agentgym_jax.rl.masked import aggregate_loss, check_same_shape, masked_mean
+
+
+def ppo_policy_loss(
+    logprobs: jax.Array,  # [batch, seq] current policy, differentiated
+    old_logprobs: jax.Array,  # [batch, seq] the policy that sampled the batch
+    advantages: jax.Array,  # [batch, seq]
+    loss_mask: jax.Array,  # [batch, seq]
+    *,
+    agg_mode: str,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO clipped surrogate `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`, r = pi / pi_old.
+
+    `clip_eps_high` defaults to `clip_eps_low` (set it higher for DAPO's clip-higher). With
+    `dual_clip_c = c > 1` (dual-clip PPO), the loss of a token with A < 0 is also capped at `-c A`,
+    so a huge ratio on a bad action cannot dominate the batch.
+    Metrics: `clip_fraction` (tokens where the clipped term is the active one), `dual_clip_fraction`
+    (tokens capped by the dual clip), `approx_kl` (k3 estimate of KL(pi_old || pi)).
+    """
+    check_same_shape(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
+    )
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if clip_eps_low < 0 or clip_eps_high < 0:
+        raise ValueError(f"clip epsilons must be >= 0, got {clip_eps_low}, {clip_eps_high}")
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+
+    log_ratio = jnp.where(loss_mask, logprobs - old_logprobs, 0.0)
+    ratio = jnp.exp(log_ratio)
+    advantages = jnp.where(loss_mask, advantages, 0.0)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = jnp.maximum(unclipped, clipped)
+    dual_clipped = jnp.zeros_like(loss, dtype=bool)
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual_clipped = (advantages < 0) & (loss > cap)
+        loss = jnp.where(dual_clipped, cap, loss)
+
+    metrics = {
+        "clip_fraction": masked_mean(clipped > unclipped, loss_mask),
+        "dual_clip_fraction": masked_mean(dual_clipped, loss_mask),
+        "approx_kl": masked_mean(kl_divergence(old_logprobs, logprobs, loss_mask, "k3"), loss_mask),
+    }
+    return aggregate_loss(loss, loss_mask, agg_mode), metrics
+
+
+def value_loss(
+    values: jax.Array,  # [batch, seq] current critic, differentiated
+    old_values: jax.Array,  # [batch, seq] critic at rollout time
+    returns: jax.Array,  # [batch, seq] targets
+    loss_mask: jax.Array,  # [batch, seq]
+    *,
+    agg_mode: str,
+    clip_eps_value: float = 0.5,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped value loss (PPO2 / verl): `0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`.
+
+    Metric `value_clip_fraction`: tokens where the clipped error is the larger one.
+    """
+    check_same_shape(values=values, old_values=old_values, returns=returns, loss_mask=loss_mask)
+    if clip_eps_value < 0:
+        raise ValueError(f"clip_eps_value must be >= 0, got {clip_eps_value}")
+    values, old_values, returns = (
+        jnp.where(loss_mask, x, 0.0) for x in (values, old_values, returns)
+    )
+    clipped_values = jnp.clip(values, old_values - clip_eps_value, old_values + clip_eps_value)
+    unclipped_error = jnp.square(values - returns)
+    clipped_error = jnp.square(clipped_values - returns)
+    loss = 0.5 * aggregate_loss(jnp.maximum(unclipped_error, clipped_error), loss_mask, agg_mode)
+    return loss, {"value_clip_fraction": masked_mean(clipped_error > unclipped_error, loss_mask)}
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy of the categorical distribution at each position: `[..., vocab] -> [...]`."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def entropy_bonus(
+    logits: jax.Array,  # [batch, seq, vocab]
+    loss_mask: jax.Array,  # [batch, seq]
+    *,
+    agg_mode: str,
+) -> jax.Array:
+    """Policy entropy over policy tokens; the caller subtracts `entropy_coef * entropy_bonus`."""
+    if logits.shape[:-1] != loss_mask.shape:
+        raise ValueError(f"logits {logits.shape} must be loss_mask {loss_mask.shape} + [vocab]")
+    logits = jnp.where(loss_mask[..., None], logits, 0.0)  # padding garbage never reaches the grad
+    return aggregate_loss(entropy_from_logits(logits), loss_mask, agg_mode)
