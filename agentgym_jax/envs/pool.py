@@ -350,7 +350,8 @@ class EnvPool:
         state = self._slots[slot]
         session_id, state.session_id = state.session_id, None
         try:
-            await asyncio.wait_for(state.client.close(session_id), min(self._request_timeout_s, 5.0))
+            async with self._semaphore:
+                await asyncio.wait_for(state.client.close(session_id), min(self._request_timeout_s, 5.0))
         except (EnvError, asyncio.TimeoutError) as e:
             log.info("closing session %s on %s failed: %s", session_id, state.client.url, e)
 

@@ -1,0 +1,217 @@
+"""EnvPool against real Maze servers on 127.0.0.1: scale, dead servers, time-outs, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agentgym_jax.envs.client import EnvClient
+from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.envs.protocol import EpisodeStatus
+from tests.servers import REPO
+
+S = EpisodeStatus
+
+
+class CountingClient(EnvClient):
+    """A real client that also counts requests per path and the most it had in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def request(self, method, path, **kwargs):
+        self.calls[path] += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await super().request(method, path, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+def counting_pool(urls, **kwargs) -> tuple[EnvPool, list[CountingClient]]:
+    clients: list[CountingClient] = []
+
+    def factory(url, http):
+        clients.append(CountingClient(url, http, request_timeout_s=kwargs.get("request_timeout_s", 30.0)))
+        return clients[-1]
+
+    return EnvPool(urls, client_factory=factory, **kwargs), clients
+
+
+async def play_to_end(pool: EnvPool, slots: list[int], task_ids: list[int], after_first_step=None) -> dict[int, S]:
+    """Batched oracle play: reset all slots, then step whichever observations arrived first."""
+    statuses: dict[int, S] = {}
+    for result in await pool.reset_many(list(zip(slots, task_ids))):
+        assert result.status is None and result.observation, result
+    live = list(slots)
+    first = True
+    while live:
+        oracle = await asyncio.gather(*(pool.oracle_action(s) for s in live), return_exceptions=True)
+        actions = [a if isinstance(a, str) else "move up" for a in oracle]  # a dead server has no oracle
+        if first and after_first_step is not None:
+            after_first_step()
+        first = False
+        async for result in pool.step_as_completed(list(zip(live, actions))):
+            if result.status is not None:
+                statuses[result.slot] = result.status
+                live.remove(result.slot)
+    return statuses
+
+
+@pytest.fixture(scope="module")
+def maze():
+    with LocalServers(["maze"]) as servers:
+        yield servers
+
+
+def test_256_concurrent_sessions_finish_oracle_episodes(maze):
+    url = maze.urls["maze"]
+
+    async def main():
+        pool, clients = counting_pool(url, max_concurrency=32)
+        async with pool:
+            info = await pool.tasks()
+            ids = [info.splits["train"][i % len(info.splits["train"])] for i in range(256)]
+            statuses = await play_to_end(pool, list(range(256)), ids)
+        return statuses, clients[0]
+
+    statuses, client = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(statuses) == 256 and set(statuses.values()) == {S.SUCCESS}
+    assert client.calls["/create"] == 256 and client.calls["/close"] == 256  # one session per slot, all closed
+    assert 1 < client.max_in_flight <= 32  # concurrent, and bounded by max_concurrency
+
+
+def test_killed_server_ends_only_its_episodes_with_infra_error():
+    with LocalServers(["maze"]) as a, LocalServers(["maze"]) as b:
+        doomed = a.servers[0].process
+
+        async def main():
+            pool = EnvPool([a.urls["maze"], b.urls["maze"]], max_retries=2, backoff_s=0.05)
+            async with pool:
+                info = await pool.tasks()
+                long_tasks = info.splits["train"][:16]  # slot s lives on urls[s % 2]
+                return await play_to_end(pool, list(range(16)), long_tasks, after_first_step=doomed.kill)
+
+        start = time.monotonic()
+        statuses = asyncio.run(asyncio.wait_for(main(), 30))
+    assert time.monotonic() - start < 30
+    assert {statuses[s] for s in range(0, 16, 2)} == {S.INFRA_ERROR}
+    assert {statuses[s] for s in range(1, 16, 2)} == {S.SUCCESS}
+
+
+def test_unreachable_server_reports_infra_error_and_error_text():
+    port = _free_port()
+
+    async def main():
+        async with EnvPool(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01) as pool:
+            return await pool.reset(0, 0)
+
+    result = asyncio.run(asyncio.wait_for(main(), 10))
+    assert result.status is S.INFRA_ERROR and result.done and "127.0.0.1" in result.error
+
+
+@pytest.mark.parametrize("request_timeout_s, episode_timeout_s", [(0.3, 100.0), (30.0, 0.5)])
+def test_hung_server_gives_env_timeout(maze, request_timeout_s, episode_timeout_s):
+    """A stopped (SIGSTOP) server: a step past the request or the episode time-out is `env_timeout`."""
+    process = maze.servers[0].process
+
+    async def main():
+        async with EnvPool(maze.urls["maze"], request_timeout_s=request_timeout_s,
+                           episode_timeout_s=episode_timeout_s) as pool:
+            assert (await pool.reset(0, 1)).status is None
+            os.kill(process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                result = await pool.step(0, "move up")
+                return result, time.monotonic() - start
+            finally:
+                os.kill(process.pid, signal.SIGCONT)
+
+    result, elapsed = asyncio.run(asyncio.wait_for(main(), 20))
+    assert result.status is S.ENV_TIMEOUT and result.done
+    assert elapsed < min(request_timeout_s, episode_timeout_s) + 1.0  # a step is never sent twice
+
+
+def test_retries_recover_from_a_server_that_starts_late():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "environments.serve", "--env=maze", f"--port={port}"]
+
+    async def main(max_retries):
+        async with EnvPool(f"http://127.0.0.1:{port}", max_retries=max_retries, backoff_s=0.1, max_backoff_s=1.0) as pool:
+            first_try = await asyncio.wait_for(pool.reset(1, 3), 10) if max_retries == 0 else None
+            late = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                result = await pool.reset(0, 3)
+                step = await pool.step(0, "move up") if result.status is None else None
+            finally:
+                late.kill()
+                await late.wait()
+        return first_try, result, step
+
+    without_retries, _, _ = asyncio.run(main(max_retries=0))
+    assert without_retries.status is S.INFRA_ERROR  # nothing listening yet: the control case
+    _, result, step = asyncio.run(asyncio.wait_for(main(max_retries=10), 30))
+    assert result.status is None and "position" in result.observation.lower()
+    assert step is not None and step.status is None
+
+
+def test_4xx_is_not_retried_and_503_is(maze):
+    async def main():
+        pool, clients = counting_pool(maze.urls["maze"], max_retries=3, backoff_s=0.01)
+        async with pool:
+            bad = await pool.reset(0, 10**9)  # task id out of range: 400
+            resets = clients[0].calls["/reset"]
+        return bad, resets
+
+    bad, resets = asyncio.run(asyncio.wait_for(main(), 10))
+    assert bad.status is S.INFRA_ERROR and "out of range" in bad.error
+    assert resets == 1
+
+    with LocalServers(["maze"], max_sessions=1) as full:
+        async def crowd():
+            pool, clients = counting_pool(full.urls["maze"], max_retries=2, backoff_s=0.01)
+            async with pool:
+                ok, refused = await pool.reset(0, 0), await pool.reset(1, 0)
+                return ok, refused, clients[0].calls["/create"]
+
+        ok, refused, creates = asyncio.run(asyncio.wait_for(crowd(), 10))
+    assert ok.status is None
+    assert refused.status is S.INFRA_ERROR and "503" in refused.error
+    assert creates == 1 + 3  # the 503 was tried max_retries more times
+
+
+def test_misuse_is_a_clear_error(maze):
+    async def main():
+        async with EnvPool(maze.urls["maze"]) as pool:
+            with pytest.raises(ValueError, match="reset it before stepping"):
+                await pool.step(5, "move up")
+            episode = await pool.run_episode(0, pool.oracle_policy)
+            assert episode.status is S.SUCCESS and episode.turns and episode.reward > 0
+            await play_to_end(pool, [3], [0])
+            with pytest.raises(ValueError, match="already ended"):
+                await pool.step(3, "move up")
+        with pytest.raises(RuntimeError, match="not open"):
+            await pool.reset(0, 0)
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    with pytest.raises(ValueError, match="at least one"):
+        EnvPool([])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
