@@ -1,0 +1,167 @@
+"""Every registered environment through a real server: endpoints, oracle, determinism, invalid actions.
+
+One server per environment per module. An environment whose own module does not exist yet is
+skipped (it is being written); any other import error fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+
+import aiohttp
+import pytest
+
+from environments.registry import ENVIRONMENTS, get_environment
+from tests.servers import request_json, start_server
+
+MIN_ORACLE_EPISODES = 100
+MAX_ORACLE_STEPS = 300  # far above any environment's own episode limit
+NONSENSE = "Thought: I will do something odd.\nAction: xyzzy plugh 42 ???"
+
+
+def _require_module(name: str) -> None:
+    module = ENVIRONMENTS[name].split(":")[0]
+    try:
+        get_environment(name)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            pytest.skip(f"{module} does not exist yet")
+        raise
+    importlib.import_module(module)
+
+
+@pytest.fixture(scope="module", params=sorted(ENVIRONMENTS))
+def served(request):
+    """(name, url, /tasks body) of a server started with PYTHONHASHSEED=1."""
+    _require_module(request.param)
+    with start_server(request.param, env_vars={"PYTHONHASHSEED": "1"}) as url:
+        status, tasks = request_json(url, "GET", "/tasks")
+        assert status == 200, tasks
+        yield request.param, url, tasks
+
+
+def oracle_ids(name: str, tasks: dict) -> list[int]:
+    """All test ids for Maze; otherwise >= 100 test ids spread evenly over the test split."""
+    test = tasks["splits"]["test"]
+    if name == "maze" or len(test) <= MIN_ORACLE_EPISODES:
+        return list(test)
+    stride = len(test) / MIN_ORACLE_EPISODES
+    return sorted({test[int(i * stride)] for i in range(MIN_ORACLE_EPISODES)})
+
+
+def test_tasks_describe_fixed_splits(served):
+    name, url, tasks = served
+    assert tasks["env"] == name and tasks["instruction"].strip()
+    assert tasks["num_tasks"] > 0
+    seen: set[int] = set()
+    for split, ids in tasks["splits"].items():
+        assert ids == sorted(ids) and ids, split
+        assert all(0 <= i < tasks["num_tasks"] for i in ids), split
+        assert not seen & set(ids), f"split {split} overlaps another"
+        seen |= set(ids)
+    assert "test" in tasks["splits"] and "train" in tasks["splits"]
+
+
+def test_every_endpoint(served):
+    name, url, tasks = served
+    task_id = tasks["splits"]["test"][0]
+    status, created = request_json(url, "POST", "/create", {})
+    assert status == 200 and isinstance(created["id"], int)
+    session = created["id"]
+    status, health = request_json(url, "GET", "/health")
+    assert status == 200 and health["env"] == name and health["sessions"] >= 1
+    status, reset = request_json(url, "POST", "/reset", {"id": session, "data_idx": task_id})
+    assert status == 200 and reset["observation"].strip() and reset["done"] is False
+    assert request_json(url, "GET", f"/observation?id={session}")[1]["observation"] == reset["observation"]
+    status, actions = request_json(url, "GET", f"/available_actions?id={session}")
+    assert status == 200 and actions["available_actions"]
+    assert all(isinstance(a, str) and a for a in actions["available_actions"])
+    status, oracle = request_json(url, "GET", f"/oracle_action?id={session}")
+    assert status == 200 and isinstance(oracle["action"], str) and oracle["action"]
+    status, result = request_json(url, "POST", "/step", {"id": session, "action": f"Thought: follow.\nAction: {oracle['action']}"})
+    assert status == 200, result
+    assert isinstance(result["observation"], str) and isinstance(result["reward"], (int, float))
+    assert isinstance(result["done"], bool)
+    assert result["info"]["invalid_action"] is False
+    assert {"success", "score"} <= set(result["info"])
+    if not result["done"]:
+        assert request_json(url, "GET", f"/observation?id={session}")[1]["observation"] == result["observation"]
+    assert request_json(url, "POST", "/close", {"id": session}) == (200, {"id": session, "closed": True})
+    assert request_json(url, "GET", f"/observation?id={session}")[0] == 404
+
+
+def test_invalid_action_is_an_observation_with_zero_reward(served):
+    name, url, tasks = served
+    _, created = request_json(url, "POST", "/create", {})
+    session = created["id"]
+    request_json(url, "POST", "/reset", {"id": session, "data_idx": tasks["splits"]["test"][0]})
+    for text in (NONSENSE, ""):
+        status, result = request_json(url, "POST", "/step", {"id": session, "action": text})
+        assert status == 200, result
+        assert result["reward"] == 0 and result["done"] is False and result["observation"].strip()
+        assert result["info"]["invalid_action"] is True and result["info"]["success"] is False
+    assert result["info"]["invalid_actions"] == 2
+    request_json(url, "POST", "/close", {"id": session})
+
+
+async def _oracle_episode(http: aiohttp.ClientSession, url: str, task_id: int) -> bool:
+    """Follows `/oracle_action` until done; True when the environment reports success."""
+    async with http.post(f"{url}/create", json={}) as answer:
+        session = (await answer.json())["id"]
+    try:
+        async with http.post(f"{url}/reset", json={"id": session, "data_idx": task_id}) as answer:
+            assert answer.status == 200, await answer.text()
+        for _ in range(MAX_ORACLE_STEPS):
+            async with http.get(f"{url}/oracle_action", params={"id": session}) as answer:
+                assert answer.status == 200, await answer.text()
+                action = (await answer.json())["action"]
+            async with http.post(f"{url}/step", json={"id": session, "action": action}) as answer:
+                assert answer.status == 200, await answer.text()
+                result = await answer.json()
+            if result["done"]:
+                return bool(result["info"]["success"])
+        return False
+    finally:
+        async with http.post(f"{url}/close", json={"id": session}):
+            pass
+
+
+async def _run_oracle(url: str, task_ids: list[int], concurrency: int = 32) -> dict[int, bool]:
+    limit = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async def one(task_id: int) -> bool:
+            async with limit:
+                return await _oracle_episode(http, url, task_id)
+
+        results = await asyncio.gather(*(one(t) for t in task_ids))
+    return dict(zip(task_ids, results))
+
+
+def test_oracle_solves_the_test_split(served):
+    name, url, tasks = served
+    task_ids = oracle_ids(name, tasks)
+    assert len(task_ids) >= min(MIN_ORACLE_EPISODES, len(tasks["splits"]["test"]))
+    solved = asyncio.run(_run_oracle(url, task_ids))
+    rate = sum(solved.values()) / len(solved)
+    failed = [t for t, ok in solved.items() if not ok]
+    assert rate >= 0.99, f"{name}: oracle solved {rate:.1%} of {len(solved)} test tasks; failed ids {failed[:20]}"
+
+
+def test_same_task_same_first_observation_across_hash_seeds(served):
+    name, url, tasks = served
+    ids = sorted(set(tasks["splits"]["test"][:5] + tasks["splits"]["train"][:5] + [tasks["num_tasks"] - 1]))
+
+    def first_observations(server_url: str) -> dict[int, str]:
+        _, created = request_json(server_url, "POST", "/create", {})
+        out = {}
+        for task_id in ids:
+            status, reset = request_json(server_url, "POST", "/reset", {"id": created["id"], "data_idx": task_id})
+            assert status == 200, reset
+            out[task_id] = reset["observation"]
+        request_json(server_url, "POST", "/close", {"id": created["id"]})
+        return out
+
+    with start_server(name, env_vars={"PYTHONHASHSEED": "2"}) as other_url:
+        assert request_json(other_url, "GET", "/tasks")[1] == tasks
+        assert first_observations(other_url) == first_observations(url)
