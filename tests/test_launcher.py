@@ -1,0 +1,110 @@
+"""Local server launcher and `mode=serve`: free ports, health, and children that never outlive us."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from agentgym_jax.envs.launcher import LocalServers
+from tests.servers import REPO
+
+LAUNCH = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/serve.py"]
+
+
+def port_open(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def wait_closed(url: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not port_open(url):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_servers_come_up_on_free_ports_and_stop_with_the_launcher():
+    with LocalServers(["maze", "textcraft"]) as servers:
+        urls = servers.urls
+        processes = [s.process for s in servers.servers]
+        assert set(urls) == {"maze", "textcraft"}
+        assert len({urllib.parse.urlsplit(u).port for u in urls.values()}) == 2
+        for env, url in urls.items():
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                assert answer.status == 200 and env.encode() in answer.read()
+    assert all(p.poll() is not None for p in processes)
+    assert not any(port_open(u) for u in urls.values())
+
+
+def test_an_error_in_the_block_stops_the_servers():
+    with pytest.raises(ZeroDivisionError):
+        with LocalServers(["maze"]) as servers:
+            url, process = servers.urls["maze"], servers.servers[0].process
+            1 / 0
+    assert process.poll() is not None and not port_open(url)
+
+
+def test_unknown_environment_fails_with_the_servers_message():
+    with pytest.raises(RuntimeError, match=r"unknown environment 'mazee'.*maze"):
+        LocalServers(["mazee"]).start()
+
+
+def _start_serving(*flags: str) -> tuple[subprocess.Popen, str]:
+    """Runs `mode=serve` until it prints the server URL; returns the process and that URL."""
+    process = subprocess.Popen(LAUNCH + ["--config.envs=maze", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if match := re.match(r"maze: (http://\S+)", line):
+            return process, match.group(1)
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise AssertionError(f"no server URL printed: {process.stdout.read()}")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_children_die_with_the_parent(how):
+    """SIGKILL leaves no chance to clean up (PR_SET_PDEATHSIG does it); Ctrl-C stops in order."""
+    process, url = _start_serving("--config.play_oracle_episode=False")
+    try:
+        assert port_open(url)
+        process.send_signal(getattr(signal, how))
+        assert wait_closed(url, within_s=5.0)
+        code = process.wait(timeout=10)
+        assert code == (-signal.SIGKILL if how == "SIGKILL" else 0)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_serve_mode_plays_a_successful_oracle_episode_and_exits():
+    done = subprocess.run(LAUNCH + ["--config.envs=maze", "--config.serve_forever=False"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    match = re.search(r"oracle episode: env=maze task=(\d+) turns=(\d+) reward=(\S+) success=True", done.stdout)
+    assert match, done.stdout
+    assert int(match.group(2)) > 0 and float(match.group(3)) > 0
+
+
+def test_unknown_config_key_is_named():
+    done = subprocess.run(LAUNCH + ["--config.serve_forver=False"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode != 0
+    assert "serve_forver" in done.stderr and "serve_forever" in done.stderr  # the typo and the valid key
