@@ -105,9 +105,17 @@ class MazeEnv(Environment):
         return f"move {match.group(1)}" if match else action
 
     def reset(self, data_idx: int) -> str:
-        layout_idx, self.position, self.goal = task(data_idx)
-        self.layout = layouts.maze_layout(layout_idx)
-        self._dist = layouts.distances_to(self.layout, self.goal)
+        layout_idx, start, goal = task(data_idx)
+        return self.start(layouts.maze_layout(layout_idx), start, goal)
+
+    def start(self, layout: layouts.Layout, start: Position, goal: Position) -> str:
+        """Starts an episode on any layout (task ids use the generated ones); first observation."""
+        if not (layouts.is_open(layout, start) and layouts.is_open(layout, goal)):
+            raise ValueError(f"start {start} and goal {goal} must be open cells")
+        self.layout, self.position, self.goal = layout, start, goal
+        self._dist = layouts.distances_to(layout, goal)
+        if start not in self._dist:
+            raise ValueError(f"goal {goal} is unreachable from {start}")
         self.steps = 0
         self._observation = self._describe()
         return self._observation
