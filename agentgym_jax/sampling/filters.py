@@ -1,0 +1,61 @@
+"""The sampling distribution: temperature, top-k and top-p (nucleus) filtering, and one draw.
+
+Log-probabilities returned with a sample are taken under the distribution the token was actually
+drawn from: `log_softmax(filter_logits(logits))` (after temperature, top-k and top-p). That is the
+behaviour policy an off-policy correction needs. Greedy decoding is a point mass, so its
+log-probability is 0. The raw log-probs (temperature 1, nothing filtered) are the policy's own
+distribution, which the trainer recomputes and compares with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from agentgym_jax.sampling.config import SamplingConfig
+
+
+class Sample(NamedTuple):
+    tokens: jax.Array  # [batch] int32
+    logprobs: jax.Array  # [batch] float32, under the sampling distribution
+    raw_logprobs: jax.Array  # [batch] float32, log_softmax(logits) at temperature 1
+
+
+def filter_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """[batch, vocab] -> [batch, vocab] float32 logits of the sampling distribution.
+
+    Tokens outside the top-k or the nucleus get -inf. The nucleus is the smallest set of the most
+    likely tokens (after temperature and top-k) whose probability reaches `top_p`; the most likely
+    token is always kept. Tokens tied with the last kept value are kept too.
+    """
+    x = logits.astype(jnp.float32) / config.temperature
+    if not config.top_k and config.top_p >= 1.0:
+        return x
+    if config.top_k:  # lax.top_k returns values sorted in descending order
+        candidates = jax.lax.top_k(x, min(config.top_k, x.shape[-1]))[0]  # [batch, k]
+    else:
+        candidates = -jnp.sort(-x, axis=-1)  # [batch, vocab], descending
+    threshold = candidates[:, -1:]  # [batch, 1]
+    if config.top_p < 1.0:
+        probs = jax.nn.softmax(candidates, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        kept = jnp.where(mass_before < config.top_p, candidates, jnp.inf)
+        threshold = jnp.maximum(threshold, jnp.min(kept, axis=-1, keepdims=True))
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _take(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def sample(rng: jax.Array, logits: jax.Array, config: SamplingConfig) -> Sample:
+    """One token per row from `logits [batch, vocab]`, with its log-probabilities."""
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if config.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return Sample(tokens, jnp.zeros(tokens.shape, jnp.float32), _take(raw, tokens))
+    filtered = filter_logits(logits, config)
+    tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+    return Sample(tokens, _take(jax.nn.log_softmax(filtered, axis=-1), tokens), _take(raw, tokens))

@@ -1,0 +1,322 @@
+"""Jitted KV-cache generation with multi-turn continuation.
+
+Two pure functions do the work, both over the `KVCache` contract (`models/cache.py`):
+- `append_chunk`: writes a right-padded chunk of new tokens (a prompt, or each episode's new
+  environment tokens) into the cache in one forward pass. Each row's positions continue from
+  `cache.next_positions()`; padding gets position -1, so it is never attended to.
+- `decode`: samples one turn in a `lax.while_loop`. Every step feeds the token it sampled back
+  through the model; rows that are done write padding (position -1). The loop stops as soon as
+  every row is done, so a batch costs as many steps as its longest turn.
+
+`Sampler` is the thin Python driver on top: it pads batches, chunks and the cache to shape
+buckets (so nothing recompiles inside a bucket), grows the cache bucket by bucket up to
+`max_cache_len` (so decode attends over the filled part, not the maximum), and reports cache
+overflow as a status instead of wrapping around.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentgym_jax.models.cache import KVCache
+from agentgym_jax.sampling import buckets
+from agentgym_jax.sampling.config import SamplingConfig
+from agentgym_jax.sampling.filters import sample
+
+Params = Any
+# (params, tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache advanced by T)
+ForwardFn = Callable[[Params, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
+# (batch, max_len) -> an empty cache
+InitCacheFn = Callable[[int, int], KVCache]
+
+
+class StopReason(enum.IntEnum):
+    """Why a row's turn ended. The rollout engine maps CACHE_FULL to the token_budget status."""
+
+    NOT_LIVE = 0  # the row's episode is over; it sampled nothing
+    END_OF_TURN = 1  # it sampled one of `eot_ids` (included in its tokens)
+    TOKEN_LIMIT = 2  # it reached its per-turn token limit
+    CACHE_FULL = 3  # the cache reached `max_cache_len` mid-turn; the row is no longer live
+
+
+@flax.struct.dataclass
+class SamplerState:
+    """What the sampler carries between turns for a batch of episodes."""
+
+    cache: KVCache  # [.., batch_bucket, cache_bucket, ..]
+    logits: jax.Array  # [batch_bucket, vocab] float32: next-token logits of each row
+    live: jax.Array  # [batch_bucket] bool: rows whose episode goes on
+    num_rows: int = flax.struct.field(pytree_node=False)  # rows the caller has (<= batch_bucket)
+
+
+class TurnOutput(NamedTuple):
+    """One sampled turn, on the host, for the caller's rows."""
+
+    tokens: np.ndarray  # [rows, max_new_tokens] int32; pad_id after `count`
+    count: np.ndarray  # [rows] int32: tokens sampled (an end-of-turn id included)
+    logprobs: np.ndarray  # [rows, max_new_tokens] float32 under the sampling distribution; 0 after count
+    raw_logprobs: np.ndarray | None  # same at temperature 1 unfiltered (if asked for)
+    stop: np.ndarray  # [rows] int32 StopReason
+
+
+class _DecodeCarry(NamedTuple):
+    step: jax.Array  # [] int32
+    cache: KVCache
+    logits: jax.Array  # [batch, vocab]
+    active: jax.Array  # [batch] bool: still sampling this turn
+    next_positions: jax.Array  # [batch] int32
+    count: jax.Array  # [batch] int32
+    stop: jax.Array  # [batch] int32
+    tokens: jax.Array  # [batch, max_new]
+    logprobs: jax.Array  # [batch, max_new]
+    raw_logprobs: jax.Array  # [batch, max_new]
+
+
+def append_chunk(
+    forward_fn: ForwardFn,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array | None,
+    tokens: jax.Array,
+    lengths: jax.Array,
+) -> tuple[KVCache, jax.Array]:
+    """Appends `tokens [B, T]` (row b's first `lengths[b]` are real) to the cache.
+
+    Returns the advanced cache and `[B, V]` next-token logits: those after each row's last new
+    token, or `logits` unchanged for rows that appended nothing (`logits=None` for a fresh cache).
+    """
+    offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [T]
+    real = offsets[None, :] < lengths[:, None]  # [B, T]
+    positions = jnp.where(real, cache.next_positions()[:, None] + offsets, -1)
+    out, cache = forward_fn(params, tokens, positions, cache)  # [B, T, V]
+    last = jnp.take_along_axis(out, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    last = last.astype(jnp.float32)
+    if logits is not None:
+        last = jnp.where((lengths > 0)[:, None], last, logits)
+    return cache, last
+
+
+def decode(
+    forward_fn: ForwardFn,
+    config: SamplingConfig,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array,
+    live: jax.Array,
+    limit: jax.Array,
+    rng: jax.Array,
+) -> tuple[KVCache, jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """Samples one turn for the `live [B]` rows, each up to `limit [B]` (<= max_new_tokens) tokens.
+
+    Returns the cache (every sampled token written), the next-token logits, the updated live mask
+    (rows that hit CACHE_FULL drop out) and (tokens, count, logprobs, raw_logprobs, stop).
+    """
+    batch, width = logits.shape[0], config.max_new_tokens
+    eot_ids = jnp.asarray(config.eot_ids or (-1,), jnp.int32)
+    limit = jnp.minimum(limit, width)
+    buffer = jnp.zeros((batch, width), jnp.float32)
+
+    def cond(c: _DecodeCarry) -> jax.Array:
+        return jnp.any(c.active) & (c.step < width) & (c.cache.index < c.cache.max_len)
+
+    def body(c: _DecodeCarry) -> _DecodeCarry:
+        s = sample(jax.random.fold_in(rng, c.step), c.logits, config)
+        tok = jnp.where(c.active, s.tokens, config.pad_id)  # [B]
+        positions = jnp.where(c.active, c.next_positions, -1)
+        out, cache = forward_fn(params, tok[:, None], positions[:, None], c.cache)
+        count = c.count + c.active
+        at_eot = c.active & jnp.isin(tok, eot_ids)
+        at_limit = c.active & (count >= limit)
+        stop = jnp.where(at_eot, StopReason.END_OF_TURN, c.stop)
+        stop = jnp.where(at_limit & ~at_eot, StopReason.TOKEN_LIMIT, stop)
+        column = lambda buf, x: buf.at[:, c.step].set(jnp.where(c.active, x, 0).astype(buf.dtype))
+        return _DecodeCarry(
+            step=c.step + 1,
+            cache=cache,
+            logits=jnp.where(c.active[:, None], out[:, 0].astype(jnp.float32), c.logits),
+            active=c.active & ~at_eot & ~at_limit,
+            next_positions=c.next_positions + c.active,
+            count=count,
+            stop=stop,
+            tokens=c.tokens.at[:, c.step].set(tok),
+            logprobs=column(c.logprobs, s.logprobs),
+            raw_logprobs=(
+                column(c.raw_logprobs, s.raw_logprobs) if config.return_raw_logprobs else c.raw_logprobs
+            ),
+        )
+
+    start = _DecodeCarry(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=logits,
+        active=live & (limit > 0),
+        next_positions=cache.next_positions(),
+        count=jnp.zeros((batch,), jnp.int32),
+        stop=jnp.where(live, StopReason.TOKEN_LIMIT, StopReason.NOT_LIVE).astype(jnp.int32),
+        tokens=jnp.full((batch, width), config.pad_id, jnp.int32),
+        logprobs=buffer,
+        raw_logprobs=buffer,
+    )
+    c = jax.lax.while_loop(cond, body, start)
+    stop = jnp.where(c.active, StopReason.CACHE_FULL, c.stop)
+    live = live & (stop != StopReason.CACHE_FULL)
+    return c.cache, c.logits, live, (c.tokens, c.count, c.logprobs, c.raw_logprobs, stop)
+
+
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with `max_len` slots; the new slots are empty (position -1)."""
+    extra = max_len - cache.max_len
+    pad_kv = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+    return cache.replace(
+        k=jnp.pad(cache.k, pad_kv),
+        v=jnp.pad(cache.v, pad_kv),
+        positions=jnp.pad(cache.positions, ((0, 0), (0, extra)), constant_values=-1),
+    )
+
+
+class Sampler:
+    """Prefill, sample a turn, append environment tokens, sample the next turn, ...
+
+    Usage (one RL rollout):
+        state = sampler.prefill(params, prompts)               # list of token-id lists
+        state, turn = sampler.generate(params, state, rng)     # turn.tokens[b, :turn.count[b]]
+        state, overflow = sampler.append(params, state, observations, live)
+        state, turn = sampler.generate(params, state, rng2)    # history is not recomputed
+
+    `forward_fn(params, tokens, positions, cache) -> (logits, cache)` is the decoder with its
+    config bound; `init_cache_fn(batch, max_len)` makes an empty cache. Batch sizes, chunk lengths
+    and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
+    compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
+    is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
+    """
+
+    def __init__(
+        self,
+        forward_fn: ForwardFn,
+        init_cache_fn: InitCacheFn,
+        config: SamplingConfig,
+        *,
+        max_cache_len: int,
+        batch_buckets: Sequence[int] | None = None,
+        chunk_buckets: Sequence[int] | None = None,
+        cache_buckets: Sequence[int] | None = None,
+    ):
+        self.config = config
+        self.max_cache_len = max_cache_len
+        self.batch_buckets = buckets.check_buckets(
+            "batch_buckets", batch_buckets or buckets.powers_of_two(1, 1024)
+        )
+        self.chunk_buckets = buckets.check_buckets(
+            "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len)
+        )
+        self.cache_buckets = buckets.check_buckets(
+            "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len)
+        )
+        if self.cache_buckets[-1] != max_cache_len:
+            raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
+        self._init_cache = init_cache_fn
+        # The cache and logits are donated: each call updates them in place.
+        self._append = jax.jit(functools.partial(append_chunk, forward_fn), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(decode, forward_fn, config), donate_argnums=(1, 2))
+        self._grow = jax.jit(grow_cache, static_argnums=1, donate_argnums=0)
+
+    def _cache_bucket(self, length: int) -> int:
+        return buckets.bucket(min(length, self.max_cache_len), self.cache_buckets, "cache length")
+
+    def _ensure_capacity(self, cache: KVCache, needed: int) -> KVCache:
+        """Grows the cache to the bucket holding `needed` slots (at most max_cache_len)."""
+        target = self._cache_bucket(needed)
+        return self._grow(cache, target) if target > cache.max_len else cache
+
+    def _pad_chunks(self, chunks: Sequence[Sequence[int]], live: np.ndarray, batch: int):
+        """Right-pads the live rows' chunks to a chunk bucket: (tokens [batch, T], lengths [batch])."""
+        lengths = np.zeros((batch,), np.int32)
+        lengths[: len(chunks)] = [len(c) for c in chunks]
+        lengths *= live
+        width = buckets.bucket(max(int(lengths.max()), 1), self.chunk_buckets, "chunk length")
+        tokens = np.full((batch, width), self.config.pad_id, np.int32)
+        for row, chunk in enumerate(chunks):
+            if lengths[row]:
+                tokens[row, : lengths[row]] = chunk
+        return tokens, lengths
+
+    def prefill(self, params: Params, prompts: Sequence[Sequence[int]]) -> SamplerState:
+        """A fresh state with every prompt in the cache; all rows live."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill needs at least one prompt and no empty prompt")
+        num_rows = len(prompts)
+        batch = buckets.bucket(num_rows, self.batch_buckets, "batch size")
+        live = np.arange(batch) < num_rows
+        tokens, lengths = self._pad_chunks(prompts, live, batch)
+        if tokens.shape[1] > self.max_cache_len:
+            raise ValueError(f"prompt bucket {tokens.shape[1]} exceeds max_cache_len={self.max_cache_len}")
+        cache = self._init_cache(batch, self._cache_bucket(tokens.shape[1]))
+        cache, logits = self._append(params, cache, None, tokens, lengths)
+        return SamplerState(cache=cache, logits=logits, live=jnp.asarray(live), num_rows=num_rows)
+
+    def append(
+        self,
+        params: Params,
+        state: SamplerState,
+        chunks: Sequence[Sequence[int]],
+        live: Sequence[bool] | None = None,
+    ) -> tuple[SamplerState, np.ndarray]:
+        """Appends each live row's new tokens (e.g. an environment observation) to its history.
+
+        `live [rows]` marks the episodes that go on (default: those still live in `state`);
+        the others append nothing and stay out of later turns. Returns the new state and
+        `overflow [rows]` bool: live rows whose tokens did not fit in `max_cache_len`. On
+        overflow the cache is left as it was and those rows are no longer live.
+        """
+        if len(chunks) != state.num_rows:
+            raise ValueError(f"expected {state.num_rows} chunks (one per row), got {len(chunks)}")
+        batch = state.live.shape[0]
+        live_rows = np.asarray(state.live).copy()
+        if live is not None:
+            if len(live) != state.num_rows:
+                raise ValueError(f"expected {state.num_rows} live flags, got {len(live)}")
+            live_rows[: state.num_rows] &= np.asarray(live, bool)
+        tokens, lengths = self._pad_chunks(chunks, live_rows, batch)
+        needed = int(state.cache.index) + tokens.shape[1]
+        if needed > self.max_cache_len:
+            overflow = live_rows[: state.num_rows].copy()
+            return state.replace(live=jnp.zeros_like(state.live)), overflow
+        cache = self._ensure_capacity(state.cache, needed)
+        cache, logits = self._append(params, cache, state.logits, tokens, lengths)
+        no_overflow = np.zeros((state.num_rows,), bool)
+        return state.replace(cache=cache, logits=logits, live=jnp.asarray(live_rows)), no_overflow
+
+    def generate(
+        self,
+        params: Params,
+        state: SamplerState,
+        rng: jax.Array,
+        limit: Sequence[int] | None = None,
+    ) -> tuple[SamplerState, TurnOutput]:
+        """Samples one turn for every live row; `limit [rows]` optionally lowers max_new_tokens per row."""
+        width = self.config.max_new_tokens
+        batch = state.live.shape[0]
+        row_limit = np.full((batch,), width, np.int32)
+        if limit is not None:
+            if len(limit) != state.num_rows:
+                raise ValueError(f"expected {state.num_rows} token limits, got {len(limit)}")
+            row_limit[: state.num_rows] = np.minimum(np.asarray(limit, np.int32), width)
+        cache = self._ensure_capacity(state.cache, int(state.cache.index) + width)
+        cache, logits, live, arrays = self._decode(params, cache, state.logits, state.live, row_limit, rng)
+        tokens, count, logprobs, raw_logprobs, stop = (np.asarray(a)[: state.num_rows] for a in arrays)
+        turn = TurnOutput(
+            tokens=tokens,
+            count=count,
+            logprobs=logprobs,
+            raw_logprobs=raw_logprobs if self.config.return_raw_logprobs else None,
+            stop=stop,
+        )
+        return state.replace(cache=cache, logits=logits, live=live), turn

@@ -1,0 +1,227 @@
+"""The KV-cache sampler: sampling distribution, stops, continuation, compilation count.
+
+Two stand-in models honour the KVCache contract exactly like the decoder (write at `index`,
+attend by position, padding at -1): `toy_forward`, one attention layer plus a bigram table, and
+`fixed_forward`, whose next-token distribution is a known constant. Tests against the real
+decoder and transformers are further down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.sampling import buckets
+from agentgym_jax.sampling.config import SamplingConfig
+from agentgym_jax.sampling.sampler import Sampler, StopReason
+
+VOCAB, DIM = 32, 16
+
+
+def toy_params(seed: int = 0, shift: bool = False) -> dict[str, jax.Array]:
+    """Random attention weights; `shift=True` makes greedy decoding emit token + 1 (mod VOCAB)."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "q": rng.normal(size=(VOCAB, DIM)),
+        "k": rng.normal(size=(VOCAB, DIM)),
+        "v": rng.normal(size=(VOCAB, DIM)),
+        "out": rng.normal(size=(DIM, VOCAB)),
+        "bigram": rng.normal(size=(VOCAB, VOCAB)),
+    }
+    if shift:
+        params["out"] *= 0.01
+        params["bigram"] = 20.0 * np.roll(np.eye(VOCAB), 1, axis=1)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+
+
+def toy_forward(params, tokens, positions, cache: KVCache):
+    """One attention layer over the cache (causal by position) plus a bigram table."""
+    start = (0, 0, cache.index, 0, 0)
+    k = jax.lax.dynamic_update_slice(cache.k, params["k"][tokens][None, :, :, None], start)
+    v = jax.lax.dynamic_update_slice(cache.v, params["v"][tokens][None, :, :, None], start)
+    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
+    scores = jnp.einsum("btd,bsd->bts", params["q"][tokens], k[0, :, :, 0]) / np.sqrt(DIM)
+    scores = jnp.where(attention_mask(positions, key_positions), scores, -1e9)
+    mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v[0, :, :, 0])
+    logits = mixed @ params["out"] + params["bigram"][tokens]
+    return logits, KVCache(k, v, key_positions, cache.index + tokens.shape[1])
+
+
+def toy_cache(batch: int, max_len: int) -> KVCache:
+    return KVCache.init(1, batch, max_len, 1, DIM)
+
+
+def numpy_toy_logits(params, tokens: list[int]) -> np.ndarray:
+    """[len, VOCAB] float64 logits of `toy_forward` for one sequence, without a cache (the reference)."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    ids = np.asarray(tokens)
+    scores = p["q"][ids] @ p["k"][ids].T / np.sqrt(DIM)  # [len, len]
+    scores = np.where(np.tril(np.ones_like(scores, bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return weights @ p["v"][ids] @ p["out"] + p["bigram"][ids]
+
+
+def toy_sampler(config: SamplingConfig, max_cache_len: int = 256, **kw) -> Sampler:
+    return Sampler(toy_forward, toy_cache, config, max_cache_len=max_cache_len, **kw)
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA backend compilations (every jit cache miss, eager ops included) in the block.
+
+    jax reports each compilation as a '/jax/core/compile/backend_compile_duration' event through
+    `jax.monitoring`; counting those catches recompiles that counting Python traces would miss.
+    """
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def numpy_sampling_logprobs(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """float64 log-probs of the sampling distribution (temperature, top-k, nucleus), -inf outside."""
+    x = logits.astype(np.float64) / config.temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.ones_like(x, bool)
+    if config.top_k:
+        keep[:] = False
+        keep[order[: config.top_k]] = True
+    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    probs /= probs.sum()
+    if config.top_p < 1.0:
+        mass = np.cumsum(probs[order])
+        n = int(np.argmax(mass >= config.top_p)) + 1  # smallest prefix reaching top_p
+        nucleus = np.zeros_like(keep)
+        nucleus[order[:n]] = True
+        keep &= nucleus
+    y = np.where(keep, x, -np.inf)
+    return y - (np.log(np.sum(np.exp(y[keep] - y[keep].max()))) + y[keep].max())
+
+
+def test_buckets():
+    assert buckets.powers_of_two(16, 100) == (16, 32, 64, 100)
+    assert buckets.bucket(17, (16, 32, 64)) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
+        buckets.bucket(65, (16, 32, 64), "chunk length")
+    with pytest.raises(ValueError, match="strictly increasing"):
+        buckets.check_buckets("batch_buckets", (4, 2))
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+    ],
+)
+def test_bad_sampling_config_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**bad)
+
+
+def test_logprobs_equal_numpy_filtered_distribution():
+    """Sampled ids lie in the filtered support; log-probs match a float64 NumPy recomputation."""
+    config = SamplingConfig(max_new_tokens=12, temperature=0.7, top_k=12, top_p=0.8, return_raw_logprobs=True)
+    params = toy_params(1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    sampler = toy_sampler(config)
+    state = sampler.prefill(params, prompts)
+    _, turn = sampler.generate(params, state, jax.random.key(0))
+    assert (turn.count == 12).all() and (turn.stop == StopReason.TOKEN_LIMIT).all()
+    for row, prompt in enumerate(prompts):
+        sampled = turn.tokens[row].tolist()
+        reference = numpy_toy_logits(params, prompt + sampled)[len(prompt) - 1 : -1]  # [12, V]
+        for step, token in enumerate(sampled):
+            expected = numpy_sampling_logprobs(reference[step], config)
+            assert np.isfinite(expected[token]), f"row {row} step {step}: {token} outside the filtered support"
+            np.testing.assert_allclose(turn.logprobs[row, step], expected[token], atol=2e-5)
+            raw = reference[step] - np.logaddexp.reduce(reference[step])
+            np.testing.assert_allclose(turn.raw_logprobs[row, step], raw[token], atol=2e-5)
+
+
+def fixed_forward(params, tokens, positions, cache: KVCache):
+    """Next-token logits `params [V]` whatever the input; keeps the cache bookkeeping."""
+    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
+    logits = jnp.broadcast_to(params, (*tokens.shape, params.shape[0]))
+    return logits, cache.replace(positions=key_positions, index=cache.index + tokens.shape[1])
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    probs = np.full(VOCAB, 0.0)
+    probs[[7, 3, 20, 11, 5]] = [0.4, 0.3, 0.15, 0.1, 0.04]
+    probs[probs == 0] = 0.01 / (VOCAB - 5)
+    # mass before token 20 is 0.70 < 0.8, before token 11 it is 0.85: nucleus {7, 3, 20}
+    config = SamplingConfig(max_new_tokens=32, top_p=0.8)
+    sampler = Sampler(fixed_forward, toy_cache, config, max_cache_len=64)
+    params = jnp.log(jnp.asarray(probs, jnp.float32))
+    state = sampler.prefill(params, [[0]] * 64)
+    _, turn = sampler.generate(params, state, jax.random.key(42))
+    draws = turn.tokens.ravel()  # 2048 draws
+    assert set(np.unique(draws)) <= {7, 3, 20}
+    freq = np.array([(draws == t).mean() for t in (7, 3, 20)])
+    expected = np.array([0.4, 0.3, 0.15]) / 0.85
+    sigma = np.sqrt(expected * (1 - expected) / draws.size)
+    assert (np.abs(freq - expected) < 5 * sigma).all(), (freq, expected)
+    logprob_of = dict(zip((7, 3, 20), np.log(expected)))
+    np.testing.assert_allclose(turn.logprobs.ravel(), [logprob_of[t] for t in draws], atol=1e-5)
+
+
+def test_top_k_one_equals_greedy():
+    params = toy_params(2)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    greedy = toy_sampler(SamplingConfig(max_new_tokens=10, temperature=0.0))
+    top1 = toy_sampler(SamplingConfig(max_new_tokens=10, temperature=1.3, top_k=1))
+    _, a = greedy.generate(params, greedy.prefill(params, prompts), jax.random.key(0))
+    _, b = top1.generate(params, top1.prefill(params, prompts), jax.random.key(1))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for row, prompt in enumerate(prompts):  # greedy really is the argmax of the model's logits
+        reference = numpy_toy_logits(params, prompt + a.tokens[row].tolist())[len(prompt) - 1 : -1]
+        np.testing.assert_array_equal(a.tokens[row], reference.argmax(-1))
+    assert (a.logprobs == 0).all() and (b.logprobs == 0).all()  # a point mass
+
+
+def test_rows_stop_on_end_of_turn_and_limit_independently():
+    """Shift model: greedy emits last+1, +2, ... so every row's stop is known in advance."""
+    params = toy_params(shift=True)
+    config = SamplingConfig(max_new_tokens=8, temperature=0.0, eot_ids=(12, 30), pad_id=0)
+    sampler = toy_sampler(config)
+    prompts = [[1, 9], [3, 10], [4, 5, 6], [20, 21], [2]]
+    state = sampler.prefill(params, prompts)
+    state, _ = sampler.append(params, state, [[], [], [], [], []], live=[True, True, True, True, False])
+    state, turn = sampler.generate(params, state, jax.random.key(0), limit=[8, 8, 2, 8, 8])
+    # row 0: 10, 11, 12 (eot); row 1: 11, 12 (eot); row 2: 7, 8 (limit 2); row 3: 22..29 (limit 8)
+    np.testing.assert_array_equal(turn.count, [3, 2, 2, 8, 0])
+    np.testing.assert_array_equal(
+        turn.stop,
+        [StopReason.END_OF_TURN, StopReason.END_OF_TURN, StopReason.TOKEN_LIMIT, StopReason.TOKEN_LIMIT,
+         StopReason.NOT_LIVE],
+    )
+    np.testing.assert_array_equal(turn.tokens[0], [10, 11, 12, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(turn.tokens[1], [11, 12, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(turn.tokens[2], [7, 8, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(turn.tokens[3], np.arange(22, 30))
+    np.testing.assert_array_equal(turn.tokens[4], np.zeros(8))
+    # Every sampled token is in the cache once, at the next position of its row; padding is -1.
+    positions = np.asarray(state.cache.positions)[:5]
+    for row, prompt in enumerate(prompts):
+        cached = np.sort(positions[row][positions[row] >= 0])
+        np.testing.assert_array_equal(cached, np.arange(len(prompt) + turn.count[row]))
+    # The limited row resumes where it stopped: a second turn continues 9, 10, 11, 12 (eot).
+    state, turn = sampler.generate(params, state, jax.random.key(0), limit=[0, 0, 8, 0, 0])
+    np.testing.assert_array_equal(turn.tokens[2, :4], [9, 10, 11, 12])
+    assert turn.count.tolist() == [0, 0, 4, 0, 0]
