@@ -44,8 +44,8 @@ class CountingClient(EnvClient):
 def counting_pool(urls, **kwargs) -> tuple[EnvPool, list[CountingClient]]:
     clients: list[CountingClient] = []
 
-    def factory(url, http):
-        clients.append(CountingClient(url, http, request_timeout_s=kwargs.get("request_timeout_s", 30.0)))
+    def factory(*args, **client_kwargs):
+        clients.append(CountingClient(*args, **client_kwargs))
         return clients[-1]
 
     return EnvPool(urls, client_factory=factory, **kwargs), clients

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 # (slot, observation) -> action text; the oracle and a model sampler both fit.
 Policy = Callable[[int, str], Awaitable[str]]
-ClientFactory = Callable[[str, aiohttp.ClientSession], EnvClient]
+# (url, http_session, request_timeout_s=, auth_token=) -> client: `EnvClient` or a dialect's.
+ClientFactory = Callable[..., EnvClient]
 
 _RETRIED_STATUSES = (502, 503, 504)  # overloaded or restarting: worth another try
 _SESSION_LOST_STATUSES = (404, 410)  # reaped after idling: a reset opens a new session
@@ -122,7 +123,7 @@ class EnvPool:
         backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
         auth_token: str = "",
-        client_factory: ClientFactory | None = None,
+        client_factory: ClientFactory = EnvClient,
     ):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -148,12 +149,10 @@ class EnvPool:
         connector = aiohttp.TCPConnector(limit=self._max_concurrency, limit_per_host=0)
         self._http = aiohttp.ClientSession(connector=connector)
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
-        make = self._client_factory or (
-            lambda url, http: EnvClient(
-                url, http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token
-            )
-        )
-        self._clients = [make(url, self._http) for url in self.urls]
+        self._clients = [
+            self._client_factory(url, self._http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token)
+            for url in self.urls
+        ]
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
