@@ -1,0 +1,272 @@
+"""The decoder-only transformer of the Llama / Qwen2 / Qwen3 families, as pure functions over a pytree.
+
+Pre-norm blocks (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU MLP →
+residual), stacked with `nn.scan` so compile time does not grow with depth. Attention is causal by
+*position*, not by slot (see `cache.attention_mask`): the same code serves training (no cache,
+right-padded rows) and multi-turn sampling (new chunks appended to a `KVCache`).
+
+Parameter pytree (layer parameters carry a leading `[layers]` axis):
+  embed/embedding [vocab, hidden]            lm_head [hidden, vocab] (absent when tied)
+  layers/attn_norm/scale [L, hidden]          layers/mlp_norm/scale [L, hidden]
+  layers/attn/{q,k,v}_proj/kernel [L, hidden, heads, head_dim] (+ bias [L, heads, head_dim])
+  layers/attn/o_proj/kernel [L, heads, head_dim, hidden] (+ bias [L, hidden])
+  layers/attn/{q,k}_norm/scale [L, head_dim] (Qwen3)
+  layers/mlp/{gate,up}_proj/kernel [L, hidden, mlp]   layers/mlp/down_proj/kernel [L, mlp, hidden]
+  final_norm/scale [hidden]                  value_head/{kernel [hidden], bias []} (optional)
+Dtype policy: parameters are stored in `param_dtype` (float32 or bfloat16); matmuls run in the
+compute `dtype`; norms, softmax and logits are computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.models.config import ModelConfig, RopeConfig
+
+Params = dict[str, Any]
+_INIT = nn.initializers.normal(0.02)  # Hugging Face's initializer_range
+_MASKED = float(np.finfo(np.float32).min)  # finite: a query with no visible key stays finite
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, with linear or Llama-3 context scaling."""
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if rope.type == "linear":
+        return inv_freq / np.float32(rope.factor)
+    if rope.type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old_len = rope.original_max_position_embeddings
+        wavelen = 2 * np.pi / inv_freq
+        slowed = np.where(wavelen > old_len / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * slowed / rope.factor + smooth * slowed
+        medium = (wavelen >= old_len / rope.high_freq_factor) & (wavelen <= old_len / rope.low_freq_factor)
+        return np.where(medium, smoothed, slowed).astype(np.float32)
+    return inv_freq
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [batch, seq, 1, head_dim] float32 for the rotate-half RoPE convention."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, seq, head_dim // 2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [batch, seq, heads, head_dim] by its positions' angles."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention where each group of query heads shares one key/value head.
+
+    q [batch, seq, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]; mask [batch, seq, keys].
+    Returns [batch, seq, heads, head_dim].
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * head_dim**-0.5, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, seq, heads, head_dim)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, layer_cache, cos, sin, mask, index):
+        c = self.config
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
+        q = nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x)
+        k = nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k_proj", **dense)(x)
+        v = nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v_proj", **dense)(x)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.param_dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if layer_cache is not None:  # write the chunk at slots index .. index + seq, attend to all slots
+            cache_k, cache_v = layer_cache
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
+            layer_cache = (cache_k, cache_v)
+            k, v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
+        out = grouped_attention(q, k, v, mask)
+        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
+        return out, layer_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        dense = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
+        gate = nn.Dense(self.config.intermediate_size, name="gate_proj", **dense)(x)
+        up = nn.Dense(self.config.intermediate_size, name="up_proj", **dense)(x)
+        return nn.Dense(self.config.hidden_size, name="down_proj", **dense)(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer; the scan carry is the residual stream [batch, seq, hidden]."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    activation_sharding: jax.sharding.Sharding | None = None
+
+    @nn.compact
+    def __call__(self, x, layer_cache, cos, sin, mask, index):
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h, layer_cache = Attention(c, name="attn", **kw)(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, index
+        )
+        x = x + h
+        x = x + MLP(c, name="mlp", **kw)(RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
+        if self.activation_sharding is not None:
+            x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
+        return x, layer_cache
+
+
+class Decoder(nn.Module):
+    """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32."""
+
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    remat: bool = False
+    activation_sharding: jax.sharding.Sharding | None = None
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache: KVCache | None):
+        c = self.config
+        embed = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=_INIT, name="embed",
+        )
+        x = embed(tokens)  # [batch, seq, hidden]
+        if self.activation_sharding is not None:
+            x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
+        cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
+        if cache is None:
+            key_positions, layer_cache, index = positions, None, jnp.zeros((), jnp.int32)
+        else:
+            index = cache.index
+            key_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index))
+            layer_cache = (cache.k, cache.v)
+        mask = attention_mask(positions, key_positions)  # [batch, seq, keys]
+
+        block = nn.remat(Block, prevent_cse=False) if self.remat else Block
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )(c, self.dtype, self.param_dtype, self.activation_sharding, name="layers")
+        x, layer_cache = layers(x, layer_cache, cos, sin, mask, index)
+        hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
+
+        if c.tie_word_embeddings:
+            head = embed.embedding.T  # [hidden, vocab]
+        else:
+            head = self.param("lm_head", _INIT, (c.hidden_size, c.vocab_size), self.param_dtype)
+        logits = jnp.einsum(
+            "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(
+                k=layer_cache[0], v=layer_cache[1], positions=key_positions, index=index + tokens.shape[1]
+            )
+        return logits, hidden, new_cache
+
+
+def init_params(
+    config: ModelConfig, rng: jax.Array, *, param_dtype: jnp.dtype = jnp.float32, value_head: bool = False
+) -> Params:
+    """Random parameters (normal(0.02) matrices, unit norms, zero biases) as a plain pytree."""
+    decoder_rng, head_rng = jax.random.split(rng)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = Decoder(config, param_dtype=param_dtype).init(decoder_rng, tokens, tokens, None)
+    params = dict(variables["params"])
+    if value_head:
+        params["value_head"] = init_value_head(config, head_rng, param_dtype=param_dtype)
+    return params
+
+
+def init_value_head(config: ModelConfig, rng: jax.Array, *, param_dtype: jnp.dtype = jnp.float32) -> Params:
+    """A scalar head on the final hidden state (PPO's critic), kept apart from the backbone."""
+    return {
+        "kernel": _INIT(rng, (config.hidden_size,), param_dtype),
+        "bias": jnp.zeros((), param_dtype),
+    }
+
+
+def value_head(params: Params, hidden: jax.Array) -> jax.Array:
+    """values [batch, seq] float32 from the final hidden states [batch, seq, hidden]."""
+    head = params["value_head"]
+    values = jnp.einsum("btd,d->bt", hidden, head["kernel"].astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return values + head["bias"].astype(jnp.float32)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+    """An empty cache (all positions -1) for `batch` rows of up to `max_len` tokens."""
+    return KVCache.init(config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype)
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None = None,
+    *,
+    config: ModelConfig,
+    dtype: jnp.dtype | None = None,
+    remat: bool = False,
+    return_hidden: bool = False,
+    activation_sharding: jax.sharding.Sharding | None = None,
+):
+    """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
+
+    With a cache, the chunk is written at slots `cache.index .. cache.index + seq` (the caller makes
+    sure it fits: `dynamic_update_slice` clamps, it does not raise) and the returned cache's index has
+    advanced by seq. Without one, attention stays within the given rows (training).
+    `dtype` is the compute dtype (default: the parameters' dtype); `remat` recomputes each layer's
+    activations in the backward pass; `activation_sharding` pins the residual stream
+    [batch, seq, hidden] (see `parallel.partition.activation_sharding`).
+    Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
+    [batch, seq, hidden] (input of `value_head`) when `return_hidden`.
+    """
+    backbone = {name: p for name, p in params.items() if name != "value_head"}
+    dtype = dtype or backbone["embed"]["embedding"].dtype
+    model = Decoder(config, dtype=dtype, remat=remat, activation_sharding=activation_sharding)
+    logits, hidden, new_cache = model.apply({"params": backbone}, tokens, positions, cache)
+    return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)

@@ -1,0 +1,157 @@
+"""The Flax decoder against transformers (PyTorch) on tiny random Qwen2, Llama-3 and Qwen3 models."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+import tiny_hf
+
+from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
+from agentgym_jax.models.decoder import forward, init_cache
+from agentgym_jax.models.hf_checkpoint import load_pretrained
+
+FAMILIES = sorted(tiny_hf.FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> (HF model, our config, our params loaded from its save_pretrained folder)."""
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        hf_model = tiny_hf.save(family, folder)
+        config, params = load_pretrained(folder)
+        out[family] = (hf_model, config, params)
+    return out
+
+
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| relative to the largest |want| (logits near 0 make element-wise ratios meaningless)."""
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def right_padded(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """positions [batch, seq]: 0 .. length-1, then -1 on padding."""
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return np.where(positions < lengths[:, None], positions, -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_logits_match_transformers(models, family):
+    hf_model, config, params = models[family]
+    rng = np.random.default_rng(0)
+    lengths = np.array([20, 11, 4])
+    tokens = rng.integers(3, config.vocab_size, (3, 20)).astype(np.int32)
+    tokens[np.arange(20)[None] >= lengths[:, None]] = 0
+    want = tiny_hf.logits(hf_model, tokens, lengths)
+    got, cache = jax.jit(functools.partial(forward, config=config))(params, tokens, right_padded(tokens, lengths))
+    assert cache is None
+    got = np.asarray(got)
+    assert got.dtype == np.float32 and np.isfinite(got).all()  # padded queries too
+    valid = np.arange(20)[None] < lengths[:, None]
+    assert rel_error(got[valid], want[valid]) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_three_turn_cache_continuation_matches_full_pass(models, family):
+    """Chunks of different lengths per row (right-padded) through the cache == one pass over all tokens."""
+    hf_model, config, params = models[family]
+    turn_lengths = np.array([[5, 3, 4], [2, 6, 1], [7, 1, 3]])  # [row, turn]
+    totals = turn_lengths.sum(1)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(3, config.vocab_size, (3, totals.max())).astype(np.int32)
+
+    step = jax.jit(functools.partial(forward, config=config))
+    cache = init_cache(config, batch=3, max_len=32)
+    got = np.zeros((3, totals.max(), config.vocab_size), np.float32)
+    offsets = np.zeros(3, int)
+    for turn in range(3):
+        width = turn_lengths[:, turn].max()
+        chunk = np.zeros((3, width), np.int32)
+        positions = np.full((3, width), -1, np.int32)
+        for row, n in enumerate(turn_lengths[:, turn]):
+            chunk[row, :n] = tokens[row, offsets[row] : offsets[row] + n]
+            positions[row, :n] = np.arange(offsets[row], offsets[row] + n)
+        logits, cache = step(params, chunk, positions, cache)
+        for row, n in enumerate(turn_lengths[:, turn]):
+            got[row, offsets[row] : offsets[row] + n] = np.asarray(logits[row, :n])
+        offsets += turn_lengths[:, turn]
+
+    assert int(cache.index) == turn_lengths.max(0).sum()
+    np.testing.assert_array_equal(np.asarray(cache.next_positions()), totals)
+    valid = np.arange(totals.max())[None] < totals[:, None]
+    full, _ = step(params, tokens, right_padded(tokens, totals))
+    assert rel_error(got[valid], np.asarray(full)[valid]) <= 1e-5
+    want = tiny_hf.logits(hf_model, np.where(valid, tokens, 0), totals)
+    assert rel_error(got[valid], want[valid]) <= 1e-4
+
+
+def test_transformers4_and_5_config_forms_agree(models, tmp_path):
+    """The same Llama-3 config in both forms parses to one ModelConfig with the llama3 scaling."""
+    hf_model, config, _ = models["llama3"]
+    v5 = hf_model.config.to_dict()
+    assert "rope_parameters" in v5
+    v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "dtype")}
+    v4.update(
+        rope_theta=10000.0,
+        rope_scaling={"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16, "rope_type": "llama3"},
+        torch_dtype="float32",
+    )
+    (tmp_path / "config.json").write_text(json.dumps(v4))
+    assert load_config(tmp_path) == ModelConfig.from_hf_dict(v5) == config
+    assert config.rope == RopeConfig(10000.0, "llama3", 4.0, 1.0, 4.0, 16)
+    assert (config.family, config.num_kv_heads, config.tie_word_embeddings) == ("llama", 2, False)
+    assert models["qwen3"][1].head_dim == 32 and models["qwen3"][1].qk_norm
+    assert models["qwen2"][1].qkv_bias and not models["qwen2"][1].o_bias
+
+
+def test_published_llama31_config_parses():
+    """The Llama-3.1-8B config.json (transformers-4 form, typed from the public model card)."""
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+        "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+    }
+    c = ModelConfig.from_hf_dict(hf)
+    assert (c.head_dim, c.num_kv_heads, c.dtype, c.eos_token_ids) == (128, 8, "bfloat16", (128001, 128008, 128009))
+    assert c.rope == RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "dynamic"),
+        ({"model_type": "qwen2_moe"}, "qwen2_moe"),
+        ({"architectures": ["Qwen2ForSequenceClassification"]}, "Qwen2ForSequenceClassification"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+        ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1, "layer_types": None},
+         "sliding window"),
+        ({"num_experts": 8}, "mixture of experts"),
+        ({"hidden_act": "gelu"}, "gelu"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(models, change, named):
+    hf = {**models["qwen2"][0].config.to_dict(), "architectures": ["Qwen2ForCausalLM"], **change}
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_unused_sliding_window_is_accepted():
+    """Qwen2.5 ships use_sliding_window=false with a sliding_window size: that is plain attention."""
+    hf = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 21}
+    assert ModelConfig.from_hf_dict(hf).qkv_bias
