@@ -1,0 +1,136 @@
+"""Environment server throughput: steps/s and step latency at 1, 16, 64 and 256 sessions.
+
+    python bench/env_server.py --env=textcraft                # our server, started here
+    python bench/env_server.py --env=textcraft --url=http://127.0.0.1:36001 --dialect=textcraft
+
+Every session replays oracle action sequences recorded beforehand from our own server (so the
+timed phase sends exactly one /step per action, to ours and to AgentGym's alike): reset a task,
+step through its recorded actions until `done` or the sequence ends, reset the next task, until
+`--seconds` have passed. Steps/s counts /step answers over the wall time (resets included in the
+time); latency is per /step. Results for the side-by-side runs are in `bench/README.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import pathlib
+import statistics
+import sys
+import time
+
+import aiohttp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from agentgym_jax.envs.client import EnvClient, EnvError  # noqa: E402
+from agentgym_jax.envs.dialects import dialect_client_factory  # noqa: E402
+from agentgym_jax.envs.launcher import LocalServers  # noqa: E402
+from agentgym_jax.envs.pool import ClientFactory, EnvPool  # noqa: E402
+from agentgym_jax.envs.protocol import EpisodeStatus  # noqa: E402
+
+
+@dataclasses.dataclass
+class Stats:
+    sessions: int
+    steps: int
+    seconds: float
+    latencies_s: list[float]
+    episodes: int
+    solved: int
+    errors: int
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds
+
+    def latency_ms(self, q: float) -> float:
+        return 1000 * statistics.quantiles(self.latencies_s, n=100, method="inclusive")[round(q) - 1]
+
+
+async def record_oracle(url: str, num_tasks: int) -> dict[int, list[str]]:
+    """Task id -> the oracle's actions for it, from our server; only solved episodes are kept."""
+    async with EnvPool(url, max_concurrency=16) as pool:
+        info = await pool.tasks()
+        ids = (info.splits.get("test") or next(iter(info.splits.values())))[:num_tasks]
+        episodes = await asyncio.gather(*(pool.run_episode(i, pool.oracle_policy) for i in ids))
+    scripts = {e.data_idx: [t.action for t in e.turns] for e in episodes if e.status is EpisodeStatus.SUCCESS}
+    if not scripts:
+        raise RuntimeError("the oracle solved none of the recorded tasks")
+    return scripts
+
+
+async def drive(url: str, make_client: ClientFactory, scripts: dict[int, list[str]], sessions: int,
+                seconds: float) -> Stats:
+    """`sessions` concurrent sessions replaying `scripts` for `seconds`; one request in flight each."""
+    tasks = sorted(scripts)
+    latencies: list[float] = []
+    counts = dict(steps=0, episodes=0, solved=0, errors=0)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        client: EnvClient = make_client(url, http, request_timeout_s=120.0)
+        session_ids = await asyncio.gather(*(client.create() for _ in range(sessions)))
+        stop_at = time.monotonic() + seconds
+
+        async def play(k: int, session_id) -> None:
+            n = k
+            while time.monotonic() < stop_at:
+                task = tasks[n % len(tasks)]
+                n += sessions
+                try:
+                    await client.reset(session_id, task)
+                    for action in scripts[task]:
+                        start = time.perf_counter()
+                        result = await client.step(session_id, action)
+                        latencies.append(time.perf_counter() - start)
+                        counts["steps"] += 1
+                        if result.done:
+                            counts["episodes"] += 1
+                            counts["solved"] += bool(result.info.get("success"))
+                            break
+                        if time.monotonic() >= stop_at:
+                            break
+                except EnvError:
+                    counts["errors"] += 1
+
+        start = time.monotonic()
+        await asyncio.gather(*(play(k, s) for k, s in enumerate(session_ids)))
+        elapsed = time.monotonic() - start
+        await asyncio.gather(*(client.close(s) for s in session_ids), return_exceptions=True)
+    return Stats(sessions, counts["steps"], elapsed, latencies, counts["episodes"], counts["solved"], counts["errors"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", required=True, help="environment name (our server records the oracle actions)")
+    parser.add_argument("--url", default="", help="server to measure (default: our server, started here)")
+    parser.add_argument("--dialect", default="", help="speak this AgentGym dialect (see docs/dialects.md)")
+    parser.add_argument("--sessions", default="1,16,64,256", help="comma-separated concurrency levels")
+    parser.add_argument("--seconds", type=float, default=4.0, help="timed run per level")
+    parser.add_argument("--tasks", type=int, default=64, help="task ids to record and replay")
+    args = parser.parse_args()
+    levels = [int(s) for s in args.sessions.split(",")]
+    make_client = dialect_client_factory(args.dialect) if args.dialect else EnvClient
+
+    with LocalServers([args.env]) as ours:  # records the oracle; stopped before timing a --url server
+        scripts = asyncio.run(record_oracle(ours.urls[args.env], args.tasks))
+        if not args.url:
+            rows = [asyncio.run(drive(ours.urls[args.env], make_client, scripts, n, args.seconds)) for n in levels]
+    if args.url:
+        rows = [asyncio.run(drive(args.url, make_client, scripts, n, args.seconds)) for n in levels]
+
+    target = args.url or f"our {args.env} server"
+    print(f"env={args.env} server={target} dialect={args.dialect or 'native'} "
+          f"recorded_tasks={len(scripts)} mean_actions={statistics.mean(map(len, scripts.values())):.1f}")
+    print(f"{'sessions':>8} {'steps/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'episodes':>8} {'solved':>7} {'errors':>6}")
+    for r in rows:
+        print(f"{r.sessions:>8} {r.steps_per_s:>9.0f} {r.latency_ms(50):>8.2f} {r.latency_ms(99):>8.2f} "
+              f"{r.episodes:>8} {r.solved:>7} {r.errors:>6}")
+    at64 = next((r for r in rows if r.sessions == 64), rows[-1])
+    print(f"summary: env={args.env} sessions={at64.sessions} steps_per_s={at64.steps_per_s:.0f} "
+          f"p99_ms={at64.latency_ms(99):.2f}")
+
+
+if __name__ == "__main__":
+    main()
