@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from environments.maze.env import MazeEnv
 
 
 class FaultyMazeEnv(MazeEnv):
-    """The action "explode" raises inside the environment; "sleep" takes half a second."""
+    """The action "explode" raises inside the environment; "sleep" takes half a second.
+
+    `close()` appends a line to the file named by $CLOSE_LOG, so tests can see it was called.
+    """
 
     @classmethod
     def parse_action(cls, text: str) -> str | None:
@@ -20,6 +24,11 @@ class FaultyMazeEnv(MazeEnv):
         if action == "sleep":
             time.sleep(0.5)
         return super().step(action)
+
+    def close(self) -> None:
+        if os.environ.get("CLOSE_LOG"):
+            with open(os.environ["CLOSE_LOG"], "a") as log:
+                log.write(f"closed at {self.position}\n")
 
 
 class BlockingFaultyMazeEnv(FaultyMazeEnv):

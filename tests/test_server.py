@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.servers import request_json, start_server
+from environments.registry import ENVIRONMENTS
+from tests.servers import REPO, request_json, start_server
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +174,10 @@ def test_session_cap_refuses_then_frees_a_slot():
         assert status == 200 and body["id"] not in (first, second)  # ids are never reused
 
 
-def test_idle_sessions_are_reaped_busy_ones_kept():
-    with start_server("maze", idle_timeout_s=0.6) as url:
+def test_idle_sessions_are_reaped_busy_ones_kept(tmp_path):
+    close_log = tmp_path / "closed.txt"
+    with start_server("tests.server_test_envs:FaultyMazeEnv", idle_timeout_s=0.6,
+                      env_vars={"CLOSE_LOG": str(close_log)}) as url:
         idle, busy = new_episode(url), new_episode(url)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:  # `busy` is used every 0.1 s, `idle` never
@@ -181,7 +186,18 @@ def test_idle_sessions_are_reaped_busy_ones_kept():
         status, body = request_json(url, "POST", "/step", {"id": idle, "action": "move up"})
         assert status == 404 and "unknown session" in body["error"]
         assert request_json(url, "GET", "/health")[1]["sessions"] == 1
+        assert close_log.read_text().count("closed") == 1  # the reaper called Environment.close()
         assert_steps_correctly(url, busy)
+        request_json(url, "POST", "/close", {"id": busy})
+        assert close_log.read_text().count("closed") == 2
+
+
+def test_serve_names_the_valid_environments_for_an_unknown_one():
+    done = subprocess.run([sys.executable, "-m", "environments.serve", "--env=mazee", "--port=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "unknown environment 'mazee'" in done.stderr
+    assert all(name in done.stderr for name in ENVIRONMENTS), done.stderr
 
 
 def test_bearer_token():
