@@ -1,0 +1,275 @@
+"""Advantage estimators vs float64 references written here as plain loops over rows and tokens."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rl_batches import random_loss_mask, random_token_rewards, with_garbage
+
+from agentgym_jax.rl import advantages as adv
+
+BATCH, SEQ = 8, 20
+SEEDS = range(4)
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# Hyper-parameters that are plain numbers stay traced, so each function compiles once per shape.
+GRPO = jax.jit(adv.grpo, static_argnames=("num_groups", "scale_by_std"))
+RLOO = jax.jit(adv.rloo, static_argnames=("num_groups",))
+REINFORCE = jax.jit(adv.reinforce_plus_plus)
+GAE = jax.jit(adv.gae, static_argnames=("whiten",))
+COMPUTE = jax.jit(adv.compute_advantages, static_argnames=("estimator", "whiten"))
+
+
+# ---- references (float64, loops) --------------------------------------------------------------
+
+
+def ref_scores(rewards, mask):
+    batch, seq = rewards.shape
+    return [sum(rewards[i, t] for t in range(seq) if mask[i, t]) for i in range(batch)]
+
+
+def ref_group_outcome(scores, group_ids, mask, rule):
+    """Broadcasts `rule(own score, scores of the other members)` onto each row's policy tokens."""
+    out = np.zeros(mask.shape)
+    for i in range(len(scores)):
+        others = [scores[j] for j in range(len(scores)) if j != i and group_ids[j] == group_ids[i]]
+        value = rule(scores[i], others) if others else 0.0
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                out[i, t] = value
+    return out
+
+
+def grpo_rule(eps, scale_by_std):
+    def rule(r, others):
+        group = [r] + others
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        return (r - mean) / (std + eps) if scale_by_std else r - mean
+
+    return rule
+
+
+def rloo_rule(r, others):
+    return r - sum(others) / len(others)
+
+
+def ref_whiten(x, mask, eps):
+    vals = [x[i, t] for i in range(x.shape[0]) for t in range(x.shape[1]) if mask[i, t]]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return np.where(mask, (x - mean) / math.sqrt(var + eps), 0.0)
+
+
+def ref_reinforce_returns(rewards, mask, gamma):
+    returns = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        g = 0.0
+        for t in reversed(range(mask.shape[1])):
+            if mask[i, t]:
+                g = rewards[i, t] + gamma * g
+                returns[i, t] = g
+    return returns
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """Walks each row's list of policy-token positions: the next policy token is the next entry."""
+    advantages = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        positions = [t for t in range(mask.shape[1]) if mask[i, t]]
+        next_value, next_adv = 0.0, 0.0
+        for t in reversed(positions):
+            delta = rewards[i, t] + gamma * next_value - values[i, t]
+            advantages[i, t] = delta + gamma * lam * next_adv
+            next_value, next_adv = values[i, t], advantages[i, t]
+    returns = np.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    mask = random_loss_mask(rng, BATCH, SEQ)
+    rewards = random_token_rewards(rng, mask)
+    # Non-contiguous ids in random order; with 8 rows over 4 ids, groups of one occur.
+    group_ids = rng.choice([1000, 3, 42, 17], size=BATCH)
+    group_ids[0] = 99  # always one singleton group
+    values = with_garbage(rng, rng.normal(size=mask.shape), mask)
+    return rng, mask, rewards, group_ids, values
+
+
+def f32(*xs):
+    return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+# ---- GRPO / Dr. GRPO / RLOO ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_grpo_matches_reference(scale_by_std):
+    for seed in SEEDS:
+        _, mask, rewards, group_ids, _ = batch(seed)
+        scores = ref_scores(rewards, mask)
+        got, returns = GRPO(
+            jnp.asarray(scores, jnp.float32),
+            jnp.asarray(mask),
+            jnp.asarray(group_ids),
+            scale_by_std=scale_by_std,
+            num_groups=6,
+        )
+        want = ref_group_outcome(scores, group_ids, mask, grpo_rule(1e-6, scale_by_std))
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_array_equal(got, returns)
+        assert np.all(np.asarray(got)[0] == 0.0)  # the singleton group
+
+
+def test_grpo_all_equal_group_is_exactly_zero():
+    mask = np.ones((5, 3), bool)
+    scores = jnp.asarray([0.3, 0.3, 0.3, 0.7, 0.1], jnp.float32)  # 0.3 is not exact in binary
+    got, _ = GRPO(scores, jnp.asarray(mask), jnp.asarray([4, 4, 4, 9, 9]))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_equal(np.asarray(got)[:3], 0.0)
+    rule = grpo_rule(1e-6, scale_by_std=True)
+    want = ref_group_outcome([0.3, 0.3, 0.3, 0.7, 0.1], [4, 4, 4, 9, 9], mask, rule)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("epsilon", [1e-6, 0.5])
+def test_grpo_epsilon_on_a_tiny_std(epsilon):
+    """Rewards 1e-6 apart: the std (7.07e-7) is of the order of the default epsilon."""
+    scores = [0.0, 1e-6]
+    mask = np.ones((2, 1), bool)
+    got, _ = GRPO(
+        jnp.asarray(scores, jnp.float32), jnp.asarray(mask), jnp.asarray([0, 0]), epsilon=epsilon
+    )
+    want = ref_group_outcome(scores, [0, 0], mask, grpo_rule(epsilon, True))
+    np.testing.assert_allclose(got, want, **TOL)
+    assert abs(float(got[1, 0]) - 5e-7 / (math.sqrt(2) * 5e-7 + epsilon)) < 1e-5
+
+
+def test_rloo_matches_reference():
+    for seed in SEEDS:
+        _, mask, rewards, group_ids, _ = batch(seed)
+        scores = ref_scores(rewards, mask)
+        got, _ = RLOO(jnp.asarray(scores, jnp.float32), jnp.asarray(mask), jnp.asarray(group_ids))
+        want = ref_group_outcome(scores, group_ids, mask, rloo_rule)
+        np.testing.assert_allclose(got, want, **TOL)
+    equal, _ = RLOO(jnp.asarray([0.3, 0.3, 0.3]), jnp.ones((3, 2), bool), jnp.asarray([5, 5, 5]))
+    np.testing.assert_array_equal(equal, 0.0)
+
+
+def test_group_ids_beyond_num_groups_are_refused():
+    with pytest.raises(ValueError, match="3 distinct group ids > num_groups=2"):
+        adv.grpo(jnp.zeros(3), jnp.ones((3, 2)), jnp.asarray([1, 2, 3]), num_groups=2)
+    with pytest.raises(ValueError, match="must be \\[batch\\]"):
+        adv.rloo(jnp.zeros(4), jnp.ones((3, 2)), jnp.asarray([1, 2, 3]))
+
+
+# ---- REINFORCE++ / GAE --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_matches_reference(gamma):
+    for seed in SEEDS:
+        _, mask, rewards, _, _ = batch(seed)
+        got_adv, got_returns = REINFORCE(*f32(rewards), jnp.asarray(mask), gamma=gamma)
+        want_returns = ref_reinforce_returns(rewards, mask, gamma)
+        np.testing.assert_allclose(got_returns, want_returns, **TOL)
+        np.testing.assert_allclose(got_adv, ref_whiten(want_returns, mask, 1e-8), **TOL)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_matches_reference(gamma, lam):
+    for seed in SEEDS:
+        _, mask, rewards, _, values = batch(seed)
+        inputs = (*f32(rewards, values), jnp.asarray(mask))
+        want_adv, want_returns = ref_gae(rewards, values, mask, gamma, lam)
+        got_adv, got_returns = GAE(*inputs, gamma=gamma, lam=lam, whiten=False)
+        np.testing.assert_allclose(got_adv, want_adv, **TOL)
+        np.testing.assert_allclose(got_returns, want_returns, **TOL)
+        whitened, returns = GAE(*inputs, gamma=gamma, lam=lam, whiten=True)
+        np.testing.assert_allclose(whitened, ref_whiten(want_adv, mask, 1e-8), **TOL)
+        np.testing.assert_allclose(returns, want_returns, **TOL)  # formed before whitening
+
+
+def test_outcome_reward_reaches_every_policy_token():
+    """AgentGym-RL's fault: a reward on a masked token is lost. Ours sits on the last policy token
+    and the recursions carry it across environment tokens to every earlier turn."""
+    mask = np.array(
+        [[0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0, 0], [0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], bool
+    )
+    rewards = np.zeros(mask.shape)
+    rewards[0, 9], rewards[1, 4] = 1.0, 0.0  # outcome rewards on each row's last policy token
+    gamma = 0.9
+    zeros = np.zeros(mask.shape)
+    got, _ = GAE(*f32(rewards, zeros), jnp.asarray(mask), gamma=gamma, lam=1.0, whiten=False)
+    # With zero values and lam=1, A_t = gamma^(number of later policy tokens) * reward.
+    later = np.cumsum(mask[0][::-1])[::-1] - 1
+    np.testing.assert_allclose(np.asarray(got)[0], np.where(mask[0], gamma**later, 0.0), **TOL)
+    assert np.all(np.asarray(got)[0][mask[0]] > 0)
+    _, returns = REINFORCE(*f32(rewards), jnp.asarray(mask), gamma=gamma)
+    np.testing.assert_allclose(np.asarray(returns)[0], np.where(mask[0], gamma**later, 0.0), **TOL)
+    # The contract: a reward on an environment token does not count (the rollout puts none there).
+    misplaced = np.zeros(mask.shape)
+    misplaced[0, 10] = 1.0
+    got, _ = GAE(*f32(misplaced, zeros), jnp.asarray(mask), gamma=gamma, lam=1.0, whiten=False)
+    np.testing.assert_array_equal(got, 0.0)
+
+
+@jax.jit
+def all_estimators(token_rewards, loss_mask, values, group_ids):
+    return {
+        name: adv.compute_advantages(
+            name,
+            token_rewards=token_rewards,
+            loss_mask=loss_mask,
+            values=values,
+            group_ids=group_ids,
+        )
+        for name in adv.ADVANTAGE_ESTIMATORS
+    }
+
+
+def test_all_masked_batch_gives_zeros_not_nan():
+    ones = jnp.ones((3, 5))
+    results = all_estimators(ones, jnp.zeros((3, 5), bool), ones, jnp.asarray([0, 0, 1]))
+    assert set(results) == set(adv.ADVANTAGE_ESTIMATORS)
+    for advantages, returns in results.values():
+        np.testing.assert_array_equal(advantages, 0.0)
+        np.testing.assert_array_equal(returns, 0.0)
+
+
+# ---- registry -----------------------------------------------------------------------------------
+
+
+def test_compute_advantages_dispatches_with_default_scores():
+    _, mask, rewards, group_ids, values = batch(0)
+    inputs = dict(token_rewards=jnp.asarray(rewards, jnp.float32), loss_mask=jnp.asarray(mask))
+    got, _ = COMPUTE("dr_grpo", group_ids=jnp.asarray(group_ids), **inputs)
+    want = ref_group_outcome(ref_scores(rewards, mask), group_ids, mask, grpo_rule(0.0, False))
+    np.testing.assert_allclose(got, want, **TOL)
+    values32 = jnp.asarray(values, jnp.float32)
+    got, _ = COMPUTE("gae", values=values32, gamma=0.9, lam=0.5, whiten=False, **inputs)
+    np.testing.assert_allclose(got, ref_gae(rewards, values, mask, 0.9, 0.5)[0], **TOL)
+
+
+def test_compute_advantages_rejects_bad_requests():
+    inputs = dict(token_rewards=jnp.zeros((2, 3)), loss_mask=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="unknown estimator 'ppo'; valid: grpo, dr_grpo"):
+        adv.compute_advantages("ppo", **inputs)
+    with pytest.raises(ValueError, match="gae needs values"):
+        adv.compute_advantages("gae", **inputs)
+    with pytest.raises(ValueError, match="grpo needs group_ids"):
+        adv.compute_advantages("grpo", **inputs)
+    with pytest.raises(ValueError, match=r"takes no \['lambda_'\]"):
+        adv.compute_advantages("gae", values=jnp.zeros((2, 3)), lambda_=0.9, **inputs)
+    with pytest.raises(ValueError, match=r"takes no \['scale_by_std'\]"):
+        adv.compute_advantages("dr_grpo", group_ids=jnp.zeros(2, int), scale_by_std=True, **inputs)
+    with pytest.raises(ValueError, match="gamma must be in"):
+        adv.reinforce_plus_plus(inputs["token_rewards"], inputs["loss_mask"], gamma=1.5)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        adv.gae(jnp.zeros((2, 3)), jnp.zeros((2, 4)), jnp.ones((2, 3)))
