@@ -61,6 +61,7 @@ async def serve(args: argparse.Namespace, env_cls: type[Environment]) -> None:
     site = web.SockSite(runner, sock)
     await site.start()
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # IPv6 literal
     print(f"serving {env_cls.name} on http://{host}:{port}", flush=True)
 
     stop = asyncio.Event()

@@ -145,7 +145,8 @@ class EnvServer:
         if session.data_idx is None:
             raise ProtocolError(f"session {session.id} has no episode yet: POST /reset before {what}", 409)
 
-    async def _close_env(self, session: Session) -> None:
+    async def close_session(self, session: Session) -> None:
+        """Closes the environment of a session already popped from the table."""
         async with session.lock:  # waits for a call in flight to finish
             try:
                 await self._call(session.env.close)
@@ -232,7 +233,7 @@ class EnvServer:
         body = await _json_body(request)
         session_id = protocol.pick(body, protocol.SESSION_ID_ALIASES, int, "id")
         session = self.table.pop(session_id)
-        await self._close_env(session)
+        await self.close_session(session)
         return web.json_response({"id": session_id, "closed": True})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -247,7 +248,7 @@ class EnvServer:
     async def close_all(self) -> None:
         for session in self.table.all():
             self.table.pop(session.id)
-            await self._close_env(session)
+            await self.close_session(session)
 
 
 def _reset(env: Environment, data_idx: int) -> tuple[str, float]:
@@ -304,7 +305,7 @@ def make_app(
         app.router.add_routes([web.route(method, prefix + path, handler) for method, path, handler in routes])
 
     async def lifetime(app: web.Application):
-        reaper = asyncio.create_task(reap_forever(table, server._close_env))
+        reaper = asyncio.create_task(reap_forever(table, server.close_session))
         yield
         reaper.cancel()
         await server.close_all()
@@ -312,5 +313,4 @@ def make_app(
             executor.shutdown(wait=False, cancel_futures=True)
 
     app.cleanup_ctx.append(lifetime)
-    app["env_server"] = server
     return app

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -244,3 +246,19 @@ def test_blocking_environment_runs_in_threads_and_keeps_the_loop_free():
             elapsed = time.monotonic() - start
         assert elapsed < 1.5, f"4 x 0.5 s steps took {elapsed:.2f} s: not run concurrently"
         assert health_s < 0.3, f"/health took {health_s:.2f} s while environments were busy"
+
+
+def test_sigterm_closes_open_sessions(tmp_path):
+    close_log = tmp_path / "closed.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "environments.serve", "--env=tests.server_test_envs:FaultyMazeEnv",
+                             "--port=0"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "CLOSE_LOG": str(close_log)},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().split(" on ", 1)[1].strip()
+        new_episode(url)
+        new_episode(url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert close_log.read_text().count("closed") == 2
