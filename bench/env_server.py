@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import os
 import pathlib
 import statistics
 import sys
 import time
+import urllib.parse
 
 import aiohttp
 
@@ -40,6 +43,12 @@ class Stats:
     episodes: int
     solved: int
     errors: int
+    server_cpu_s: float | None  # CPU time the server process used during the run (None: not found)
+
+    @property
+    def server_cpu_ms_per_step(self) -> float:
+        """Load-independent cost: on shared CPUs wall-clock rates move with the neighbours' load."""
+        return float("nan") if self.server_cpu_s is None else 1000 * self.server_cpu_s / max(self.steps, 1)
 
     @property
     def steps_per_s(self) -> float:
@@ -94,11 +103,40 @@ async def drive(url: str, make_client: ClientFactory, scripts: dict[int, list[st
                 except EnvError:
                     counts["errors"] += 1
 
+        pid = listening_pid(urllib.parse.urlsplit(url).port)
+        cpu_before = process_cpu_s(pid)
         start = time.monotonic()
         await asyncio.gather(*(play(k, s) for k, s in enumerate(session_ids)))
         elapsed = time.monotonic() - start
+        cpu = process_cpu_s(pid) - cpu_before if pid is not None else None
         await asyncio.gather(*(client.close(s) for s in session_ids), return_exceptions=True)
-    return Stats(sessions, counts["steps"], elapsed, latencies, counts["episodes"], counts["solved"], counts["errors"])
+    return Stats(sessions, counts["steps"], elapsed, latencies, counts["episodes"], counts["solved"],
+                 counts["errors"], cpu)
+
+
+def listening_pid(port: int | None) -> int | None:
+    """The local process listening on TCP `port` (Linux /proc), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+    return None
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of `pid` (all its threads)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -123,10 +161,11 @@ def main() -> None:
     target = args.url or f"our {args.env} server"
     print(f"env={args.env} server={target} dialect={args.dialect or 'native'} "
           f"recorded_tasks={len(scripts)} mean_actions={statistics.mean(map(len, scripts.values())):.1f}")
-    print(f"{'sessions':>8} {'steps/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'episodes':>8} {'solved':>7} {'errors':>6}")
+    print(f"{'sessions':>8} {'steps/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'server_cpu_ms/step':>18} "
+          f"{'episodes':>8} {'solved':>7} {'errors':>6}")
     for r in rows:
         print(f"{r.sessions:>8} {r.steps_per_s:>9.0f} {r.latency_ms(50):>8.2f} {r.latency_ms(99):>8.2f} "
-              f"{r.episodes:>8} {r.solved:>7} {r.errors:>6}")
+              f"{r.server_cpu_ms_per_step:>18.3f} {r.episodes:>8} {r.solved:>7} {r.errors:>6}")
     at64 = next((r for r in rows if r.sessions == 64), rows[-1])
     print(f"summary: env={args.env} sessions={at64.sessions} steps_per_s={at64.steps_per_s:.0f} "
           f"p99_ms={at64.latency_ms(99):.2f}")

@@ -209,7 +209,9 @@ class EnvPool:
 
     async def oracle_action(self, slot: int) -> str:
         """The oracle's next action for the slot's live episode (raises `EnvError` on failure)."""
-        state = self._slots[slot]
+        state = self._slots.get(slot)
+        if state is None or state.session_id is None:
+            raise ValueError(f"slot {slot} has no session: reset it first")
         try:
             return await self._call(state, lambda c: c.oracle_action(state.session_id), idempotent=True)
         except _EpisodeEnded as e:
