@@ -108,6 +108,15 @@ class _Text(NamedTuple):
     markup: bool
 
 
+def _markup(text: str) -> _Text:
+    return _Text(text, Role.TEMPLATE, True)
+
+
+def _alternation(tokens: Sequence[str]) -> re.Pattern | None:
+    """A splitting regex (one capture group) matching any of `tokens`, longest first."""
+    return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
+
+
 def _sentinel(i: int) -> str:
     return f"@@agentgym-sentinel-{i}@@"
 
@@ -216,7 +225,7 @@ def _stripped_roles(render: Render, with_system: bool) -> frozenset[Role]:
         if padded == bare:
             stripped.add(role)
         elif padded != verbatim:
-            raise FramingError(f"the template changes {role.value} contents in a way other than stripping them")
+            raise FramingError(f"the template changes {role.value} contents other than by stripping them")
     if Role.USER in stripped:
         stripped.add(Role.ENVIRONMENT)
     return frozenset(stripped)
@@ -230,7 +239,8 @@ def _alternation_error(messages: Sequence[Mapping[str, Any]]) -> str | None:
         if not isinstance(message, Mapping) or not isinstance(message.get("content"), str):
             return f"message {i} must be a mapping with a str 'content'"
         if message.get("role") not in {r.value for r in MESSAGE_ROLES}:
-            return f"message {i} has role {message.get('role')!r}; valid: {', '.join(r.value for r in MESSAGE_ROLES)}"
+            valid = ", ".join(r.value for r in MESSAGE_ROLES)
+            return f"message {i} has role {message.get('role')!r}; valid: {valid}"
     offset = 1 if messages[0]["role"] == Role.SYSTEM else 0
     for i, message in enumerate(messages[offset:], start=offset):
         want_user = (i - offset) % 2 == 0
@@ -270,14 +280,13 @@ class ChatFraming:
             raise FramingError("chat framing needs a fast (tokenizers-backed) tokenizer for token offsets")
         self.template_kwargs = dict(template_kwargs or {})
         added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
-        self._control_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
-        lookalikes = [t for t in added if not t.isspace()]  # whitespace tokens are ordinary text
-        self._lookalike_re = re.compile("(" + "|".join(map(re.escape, lookalikes)) + ")") if lookalikes else None
+        self._control_re = _alternation(added)
+        self._lookalike_re = _alternation([t for t in added if not t.isspace()])  # "\n" tokens are text
 
         self.parts = read_template_parts(self._render, added)
-        self.generation_header_ids = self._tokenize([_Text(self.parts.generation_header, Role.TEMPLATE, True)]).ids
+        self.generation_header_ids = self._tokenize([_markup(self.parts.generation_header)]).ids
         self.end_of_turn_ids = (tokenizer.convert_tokens_to_ids(self.parts.end_of_turn),)
-        self.after_end_of_turn_ids = self._tokenize([_Text(self.parts.after_end_of_turn, Role.TEMPLATE, True)]).ids
+        self.after_end_of_turn_ids = self._tokenize([_markup(self.parts.after_end_of_turn)]).ids
         self._verify()
 
     # ---- the per-turn API used by the rollout ----
@@ -294,7 +303,7 @@ class ChatFraming:
             raise FramingError(f"a continuation is a user or environment message, got {role.value!r}")
         return self._tokenize(
             [
-                _Text(self.parts.after_end_of_turn + self.parts.user_header, Role.TEMPLATE, True),
+                _markup(self.parts.after_end_of_turn + self.parts.user_header),
                 *self._user_turn(content, role, last=True, add_generation_prompt=True),
             ]
         )
@@ -312,21 +321,23 @@ class ChatFraming:
             raise FramingError(error)
         last = Role(messages[-1]["role"])
         if add_generation_prompt and last is Role.ASSISTANT:
-            raise FramingError("add_generation_prompt needs a conversation that ends with a user/environment turn")
+            raise FramingError("add_generation_prompt needs a conversation ending with a user turn")
         has_system = messages[0]["role"] == Role.SYSTEM
         head = self.parts.head_with_system if has_system else self.parts.head_without_system
         if head is None:
-            raise FramingError(f"this chat template {'refuses' if has_system else 'requires'} a system message")
-        chunk = [_Text(head, Role.TEMPLATE, True)]
+            verb = "refuses" if has_system else "requires"
+            raise FramingError(f"this chat template {verb} a system message")
+        chunk = [_markup(head)]
         if has_system:
-            chunk += [self._content(messages[0]["content"], Role.SYSTEM), _Text(self.parts.system_to_user, Role.TEMPLATE, True)]
+            chunk += [self._content(messages[0]["content"], Role.SYSTEM), _markup(self.parts.system_to_user)]
             messages = messages[1:]
         framed = Framed()
         for i, message in enumerate(messages):
             role, is_last = Role(message["role"]), i == len(messages) - 1
             if role is Role.ASSISTANT:
                 framed += self._tokenize(chunk) + self.assistant_ids(message["content"])
-                chunk = [_Text(self.parts.after_end_of_turn + ("" if is_last else self.parts.user_header), Role.TEMPLATE, True)]
+                header = "" if is_last else self.parts.user_header
+                chunk = [_markup(self.parts.after_end_of_turn + header)]
             else:
                 chunk += self._user_turn(message["content"], role, is_last, add_generation_prompt)
         return framed + self._tokenize(chunk)
@@ -348,7 +359,7 @@ class ChatFraming:
     def _user_turn(self, content: str, role: Role, last: bool, add_generation_prompt: bool) -> list[_Text]:
         """A user-like content and the markup after it (up to the next assistant content)."""
         header = self.parts.generation_header if (add_generation_prompt or not last) else ""
-        return [self._content(content, role), _Text(self.parts.user_suffix + header, Role.TEMPLATE, True)]
+        return [self._content(content, role), _markup(self.parts.user_suffix + header)]
 
     def _tokenize(self, pieces: Sequence[_Text]) -> Framed:
         """Tokenizes text as `apply_chat_template` does, with each token's role.
@@ -417,7 +428,8 @@ class ChatFraming:
                 raise FramingError("the prompt does not end with the generation header's ids")
             for j in range(1, len(turns), 2):
                 ids += self.assistant_ids(turns[j]).ids + self.continuation_ids(turns[j + 1]).ids
-                messages += [{"role": "assistant", "content": turns[j]}, {"role": "user", "content": turns[j + 1]}]
+                messages.append({"role": "assistant", "content": turns[j]})
+                messages.append({"role": "user", "content": turns[j + 1]})
             self._check_same(ids, messages, True, "prompt + assistant + continuation ids")
             messages.append({"role": "assistant", "content": "Action: unlock door"})
             self._check_same(list(self.encode(messages).ids), messages, False, "encode()")
@@ -432,7 +444,8 @@ class ChatFraming:
             **self.template_kwargs,
         )
         if ids != list(reference):
-            at = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+            pairs = enumerate(zip(ids, reference))
+            at = next((i for i, (a, b) in pairs if a != b), min(len(ids), len(reference)))
             decode = self.tokenizer.convert_ids_to_tokens
             raise FramingError(
                 f"{what} differ from apply_chat_template at token {at}: "
