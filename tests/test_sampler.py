@@ -9,13 +9,18 @@ decoder and transformers are further down.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_hf
+import torch
 
+from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, StopReason
@@ -225,3 +230,162 @@ def test_rows_stop_on_end_of_turn_and_limit_independently():
     state, turn = sampler.generate(params, state, jax.random.key(0), limit=[0, 0, 8, 0, 0])
     np.testing.assert_array_equal(turn.tokens[2, :4], [9, 10, 11, 12])
     assert turn.count.tolist() == [0, 0, 4, 0, 0]
+
+
+def test_continuation_equals_one_full_forward():
+    """Three turns with environment chunks of different lengths give the logits of one full pass."""
+    params = toy_params(3)
+    config = SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(5,))
+    sampler = toy_sampler(config)
+    prompts = [[1, 2, 3], [4, 6, 7, 8, 9, 10, 11], [12], [13, 14]]
+    history = [list(p) for p in prompts]
+    state = sampler.prefill(params, prompts)
+    observations = [[[20, 21], [22], [23, 24, 25, 26, 27], []], [[28, 29, 30], [31, 1], [2], [3]]]
+    live = [[True, True, True, True], [True, True, False, True]]  # row 2's episode ends after turn 2
+    for turn_index in range(3):
+        state, turn = sampler.generate(params, state, jax.random.key(turn_index))
+        for row in range(4):
+            history[row] += turn.tokens[row, : turn.count[row]].tolist()
+        if turn_index == 2:
+            break
+        state, overflow = sampler.append(params, state, observations[turn_index], live[turn_index])
+        assert not overflow.any()
+        for row in range(4):
+            history[row] += observations[turn_index][row] if live[turn_index][row] else []
+    assert turn.count[2] == 0 and turn.stop[2] == StopReason.NOT_LIVE
+    assert len({len(h) for h in history}) == 4, history  # rows really are at different positions
+    for row in (0, 1, 3):
+        expected = numpy_toy_logits(params, history[row])[-1]
+        np.testing.assert_allclose(np.asarray(state.logits[row]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_overflow_is_a_status_not_a_wrap():
+    """max_cache_len=60: append reports overflow and leaves the cache; decode stops with CACHE_FULL."""
+    params = toy_params(5)
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=8, temperature=0.0), max_cache_len=60)
+    state = sampler.prefill(params, [[1, 2], [3]])  # 16 slots (chunk bucket)
+    state, _ = sampler.generate(params, state, jax.random.key(0))  # 24
+    state, _ = sampler.append(params, state, [[4], [5, 6]])  # 40
+    state, _ = sampler.generate(params, state, jax.random.key(0))  # 48
+    full_state, overflow = sampler.append(params, state, [[7] * 9, [8]])  # 48 + 16 > 60
+    assert overflow.tolist() == [True, True]
+    assert int(full_state.cache.index) == 48 and not np.asarray(full_state.live).any()
+
+    state, _ = sampler.generate(params, state, jax.random.key(0))  # 56
+    state, turn = sampler.generate(params, state, jax.random.key(0))  # 4 slots left
+    assert turn.count.tolist() == [4, 4]
+    assert turn.stop.tolist() == [StopReason.CACHE_FULL] * 2
+    assert int(state.cache.index) == 60 and not np.asarray(state.live).any()
+    _, turn = sampler.generate(params, state, jax.random.key(0))
+    assert turn.count.tolist() == [0, 0] and turn.stop.tolist() == [StopReason.NOT_LIVE] * 2
+
+
+def test_bad_input_is_refused():
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=4), max_cache_len=64)
+    params = toy_params()
+    with pytest.raises(ValueError, match="no empty prompt"):
+        sampler.prefill(params, [[1], []])
+    with pytest.raises(ValueError, match="chunk length 65 exceeds"):
+        sampler.prefill(params, [[1] * 65])
+    state = sampler.prefill(params, [[1], [2]])
+    with pytest.raises(ValueError, match="expected 2 chunks"):
+        sampler.append(params, state, [[1]])
+    with pytest.raises(ValueError, match="expected 2 token limits"):
+        sampler.generate(params, state, jax.random.key(0), limit=[1, 2, 3])
+    with pytest.raises(ValueError, match="last cache bucket"):
+        toy_sampler(SamplingConfig(), max_cache_len=64, cache_buckets=(16, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The real decoder, loaded from a random tiny Qwen2 saved by transformers.
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """(transformers model, our config, our params loaded from its save_pretrained folder)."""
+    folder = tmp_path_factory.mktemp("qwen2")
+    hf_model = tiny_hf.save("qwen2", folder)
+    config, params = load_pretrained(folder)
+    return hf_model, config, params
+
+
+def test_greedy_equals_transformers_generate(qwen2):
+    """32 greedy tokens on a padded batch (HF left-pads, we right-pad): identical ids, same eos stop."""
+    hf_model, config, params = qwen2
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (9, 3, 14)]
+    width = max(map(len, prompts))
+    ids = np.zeros((3, width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(ids != 0, dtype=torch.long),
+            max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=2,
+        )
+    want = out[:, width:].numpy()
+    sampler = Sampler.for_decoder(
+        config, SamplingConfig(max_new_tokens=32, temperature=0.0, eot_ids=(2,)), max_cache_len=128
+    )
+    state = sampler.prefill(params, prompts)
+    _, turn = sampler.generate(params, state, jax.random.key(0))
+    np.testing.assert_array_equal(turn.tokens, np.pad(want, ((0, 0), (0, 32 - want.shape[1]))))
+
+
+def test_decoder_continuation_equals_one_full_forward(qwen2):
+    """Three sampled turns + environment chunks through the cache == one forward over all tokens."""
+    _, config, params = qwen2
+    sampler = Sampler.for_decoder(
+        config, SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(2, 5)), max_cache_len=128
+    )
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (4, 11, 1)]
+    history = [list(p) for p in prompts]
+    state = sampler.prefill(params, prompts)
+    for turn_index in range(3):
+        state, turn = sampler.generate(params, state, jax.random.key(turn_index))
+        for row in range(3):
+            history[row] += turn.tokens[row, : turn.count[row]].tolist()
+        if turn_index < 2:
+            chunks = [rng.integers(3, config.vocab_size, n).tolist() for n in rng.integers(0, 9, 3)]
+            state, _ = sampler.append(params, state, chunks)
+            for row in range(3):
+                history[row] += chunks[row]
+    lengths = np.array([len(h) for h in history])
+    tokens = np.zeros((3, lengths.max()), np.int32)
+    for row, h in enumerate(history):
+        tokens[row, : len(h)] = h
+    positions = np.where(np.arange(lengths.max()) < lengths[:, None], np.arange(lengths.max()), -1)
+    full, _ = decoder.forward(params, tokens, positions.astype(np.int32), None, config=config)
+    want = np.asarray(full)[np.arange(3), lengths - 1]
+    got = np.asarray(state.logits[:3])
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_ten_turns_after_warm_up_compile_nothing(qwen2):
+    """Warm-up: one 10-turn rollout. Then a new batch size, prompt and chunk lengths (same buckets)."""
+    _, config, params = qwen2
+    sampler = Sampler.for_decoder(
+        config, SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9), max_cache_len=512
+    )
+
+    def rollout(num_rows: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        prompts = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+        state = sampler.prefill(params, prompts)
+        live = np.ones(num_rows, bool)
+        for turn_index in range(10):
+            limit = rng.integers(1, 9, num_rows)
+            limit[0] = 8  # row 0 always runs the full turn: the cache grows the same way each rollout
+            state, turn = sampler.generate(params, state, jax.random.key(turn_index), limit=limit.tolist())
+            np.testing.assert_array_equal(turn.count, np.where(live, limit, 0))
+            if turn_index == 4:
+                live[-1] = False  # an episode ends early
+            chunks = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+            state, overflow = sampler.append(params, state, chunks, live.tolist())
+            assert not overflow.any()
+
+    rollout(4, seed=0)
+    with count_compilations() as compiled:
+        rollout(3, seed=1)
+    assert compiled == []

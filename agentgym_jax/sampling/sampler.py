@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache
+from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.filters import sample
@@ -226,7 +228,23 @@ class Sampler:
         # The cache and logits are donated: each call updates them in place.
         self._append = jax.jit(functools.partial(append_chunk, forward_fn), donate_argnums=(1, 2))
         self._decode = jax.jit(functools.partial(decode, forward_fn, config), donate_argnums=(1, 2))
-        self._grow = jax.jit(grow_cache, static_argnums=1, donate_argnums=0)
+        self._grow = jax.jit(grow_cache, static_argnums=1)  # pads into a bigger buffer: no donation
+
+    @classmethod
+    def for_decoder(
+        cls,
+        model_config: ModelConfig,
+        config: SamplingConfig,
+        *,
+        max_cache_len: int,
+        dtype: jnp.dtype | None = None,
+        cache_dtype: jnp.dtype = jnp.float32,
+        **buckets_kw,
+    ) -> Sampler:
+        """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype)."""
+        forward_fn = functools.partial(decoder.forward, config=model_config, dtype=dtype)
+        init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
+        return cls(forward_fn, init_cache_fn, config, max_cache_len=max_cache_len, **buckets_kw)
 
     def _cache_bucket(self, length: int) -> int:
         return buckets.bucket(min(length, self.max_cache_len), self.cache_buckets, "cache length")
