@@ -191,10 +191,11 @@ class EnvServer:
             session.done = result.done
             if result.info.get("invalid_action"):
                 session.invalid_actions += 1
-            answer = result.to_json()
-        answer["info"]["invalid_actions"] = session.invalid_actions
-        answer["score"] = answer["info"].get("score", 0.0)  # AgentGym's BabyAI client reads it here
-        return web.json_response(answer)
+            info = {**result.info, "invalid_actions": session.invalid_actions}
+        # `StepResult.to_json()` plus the top-level `score` AgentGym's BabyAI client reads; built
+        # by hand because `dataclasses.asdict` deep-copies and shows up on the hot path.
+        return web.json_response({"observation": result.observation, "reward": result.reward, "done": result.done,
+                                  "info": info, "score": info.get("score", 0.0)})
 
     async def _query(self, request: web.Request, what: str, read: Callable[[Environment], Any],
                      needs_episode: bool = True, refuse_done: bool = False) -> Any:

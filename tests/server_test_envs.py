@@ -9,7 +9,7 @@ from environments.maze.env import MazeEnv
 
 
 class FaultyMazeEnv(MazeEnv):
-    """The action "explode" raises inside the environment; "sleep" takes half a second.
+    """The action "explode" raises inside the environment; "sleep" takes a second.
 
     `close()` appends a line to the file named by $CLOSE_LOG, so tests can see it was called.
     """
@@ -22,7 +22,7 @@ class FaultyMazeEnv(MazeEnv):
         if action == "explode":
             raise RuntimeError("engine exploded")
         if action == "sleep":
-            time.sleep(0.5)
+            time.sleep(1.0)
         return super().step(action)
 
     def close(self) -> None:
