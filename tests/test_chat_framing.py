@@ -282,7 +282,7 @@ def test_templates_that_cannot_be_framed_are_refused(folders, template, match):
         ([{"role": "tool", "content": "a"}], "role 'tool'"),
         ([{"role": "user", "content": 3}], "str 'content'"),
         ([{"role": "system", "content": "s"}], "needs a user"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "ends with a user"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "ending with a user"),
     ],
 )
 def test_bad_conversations_get_clear_errors(case, messages, match):
