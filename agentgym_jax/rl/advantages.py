@@ -30,7 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from agentgym_jax.rl.masked import check_same_shape, masked_sum, masked_whiten
+from agentgym_jax.rl.masked import check_hparams, check_same_shape, masked_sum, masked_whiten
 
 
 def sequence_scores(token_rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -98,7 +98,7 @@ def reinforce_plus_plus(
     in the reward is the caller's (`kl.apply_kl_penalty` before this).
     """
     check_same_shape(token_rewards=token_rewards, loss_mask=loss_mask)
-    _check_unit_interval(gamma=gamma)
+    check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma)
 
     def step(running_return, inputs):  # [batch]
         reward, mask = inputs
@@ -129,7 +129,7 @@ def gae(
     after the returns are formed.
     """
     check_same_shape(token_rewards=token_rewards, values=values, loss_mask=loss_mask)
-    _check_unit_interval(gamma=gamma, lam=lam)
+    check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma, lam=lam)
 
     def step(carry, inputs):  # carry: value and advantage of the next policy token, [batch] each
         next_value, next_advantage = carry
@@ -230,9 +230,3 @@ def _reverse_scan_over_seq(step: Callable, init, *arrays: jax.Array) -> jax.Arra
 
 def _float_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
-
-
-def _check_unit_interval(**hparams: float) -> None:
-    for name, value in hparams.items():
-        if isinstance(value, (int, float)) and not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from agentgym_jax.rl.kl import kl_divergence
-from agentgym_jax.rl.masked import aggregate_loss, check_same_shape, masked_mean
+from agentgym_jax.rl.masked import aggregate_loss, check_hparams, check_same_shape, masked_mean
 
 
 def ppo_policy_loss(
@@ -39,10 +39,8 @@ def ppo_policy_loss(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    if clip_eps_low < 0 or clip_eps_high < 0:
-        raise ValueError(f"clip epsilons must be >= 0, got {clip_eps_low}, {clip_eps_high}")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    check_hparams(lambda v: v >= 0, ">= 0", clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+    check_hparams(lambda v: v > 1, "> 1", dual_clip_c=dual_clip_c)
 
     log_ratio = jnp.where(loss_mask, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
@@ -78,8 +76,7 @@ def value_loss(
     Metric `value_clip_fraction`: tokens where the clipped error is the larger one.
     """
     check_same_shape(values=values, old_values=old_values, returns=returns, loss_mask=loss_mask)
-    if clip_eps_value < 0:
-        raise ValueError(f"clip_eps_value must be >= 0, got {clip_eps_value}")
+    check_hparams(lambda v: v >= 0, ">= 0", clip_eps_value=clip_eps_value)
     values, old_values, returns = (
         jnp.where(loss_mask, x, 0.0) for x in (values, old_values, returns)
     )

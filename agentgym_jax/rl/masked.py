@@ -1,4 +1,5 @@
-"""Masked reductions used by all of `rl/`: sums, means, variance, whitening, loss aggregation.
+"""Masked reductions used by all of `rl/` (sums, means, variance, whitening, loss aggregation),
+and the input checks they share.
 
 Masks are binary (`1`/`True` = the token counts). Values at masked-out positions never reach the
 result, not even as `0 * inf`: they are replaced with zeros by `jnp.where` before any arithmetic, so
@@ -7,6 +8,8 @@ A reduction over no tokens at all is defined as 0 (not NaN).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +69,13 @@ def check_same_shape(**arrays: jax.Array) -> None:
     shapes = {name: jnp.shape(a) for name, a in arrays.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError("shape mismatch: " + ", ".join(f"{k} {v}" for k, v in shapes.items()))
+
+
+def check_hparams(ok: Callable[[float], bool], requirement: str, **hparams) -> None:
+    """Raises `ValueError` for a plain-number hyper-parameter failing `ok`; traced values pass."""
+    for name, value in hparams.items():
+        if isinstance(value, (int, float)) and not ok(value):
+            raise ValueError(f"{name} must be {requirement}, got {value}")
 
 
 def _masked_center(x: jax.Array, mask: jax.Array) -> jax.Array:

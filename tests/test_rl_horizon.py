@@ -1,0 +1,78 @@
+"""Horizon schedules: boundary steps, the resume contract, config building and bad input."""
+
+import ml_collections
+import pytest
+
+from agentgym_jax.rl import horizon
+
+
+def test_stepwise_boundaries():
+    schedule = horizon.stepwise(rounds=[10, 20, 30], steps_per_stage=100)
+    want = {0: 10, 1: 10, 99: 10, 100: 20, 101: 20, 199: 20, 200: 30, 299: 30, 10**6: 30}
+    assert {step: schedule.horizon(step) for step in want} == want
+    stages = {0: 0, 99: 0, 100: 1, 199: 1, 200: 2, 10**6: 2}
+    assert {step: schedule.stage(step) for step in stages} == stages
+
+
+def test_fixed_is_constant():
+    schedule = horizon.fixed(15)
+    assert {schedule.horizon(s) for s in (0, 1, 99, 100, 12345)} == {15}
+    assert {schedule.stage(s) for s in (0, 100, 12345)} == {0}
+
+
+def run_steps(schedule_config, first_step, last_step):
+    """What a training run does: build the schedule from the config, ask each step's horizon."""
+    schedule = horizon.from_config(schedule_config)
+    return {step: schedule.horizon(step) for step in range(first_step, last_step)}
+
+
+def test_resumed_run_has_the_uninterrupted_horizons():
+    """A run killed after 100 updates resumes at step 100 (the checkpoint's count of updates done)
+    with a freshly built schedule. Every step must get the horizon of the uninterrupted run; in
+    AgentGym-RL steps 102-200 of such a resume ran with 30 turns instead of 20."""
+    config = {"schedule": "stepwise", "rounds": [10, 20, 30], "steps_per_stage": 100}
+    uninterrupted = run_steps(config, 0, 300)
+    first_part = run_steps(config, 0, 100)
+    resumed = run_steps(config, 100, 300)
+    assert {**first_part, **resumed} == uninterrupted
+    assert [resumed[s] for s in (100, 101, 102, 199, 200)] == [20, 20, 20, 20, 30]
+    # Interrupted again mid-stage, and asked out of order: still a function of the step alone.
+    assert run_steps(config, 150, 160) == {s: 20 for s in range(150, 160)}
+    schedule = horizon.from_config(config)
+    assert [schedule.horizon(s) for s in (250, 5, 150, 99, 100)] == [30, 10, 20, 10, 20]
+
+
+def test_from_config_accepts_dicts_and_config_dicts():
+    config = ml_collections.ConfigDict(
+        {"schedule": "stepwise", "rounds": (5, 8), "steps_per_stage": 3}
+    )
+    assert horizon.from_config(config) == horizon.stepwise((5, 8), 3)
+    assert horizon.from_config({"schedule": "fixed", "rounds": 12}) == horizon.fixed(12)
+    assert horizon.from_config({"schedule": "stepwise", "rounds": [1, 2, 3]}).steps_per_stage == 100
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"schedule": "linear", "rounds": 3}, "unknown horizon schedule 'linear'; valid: fixed"),
+        ({"rounds": 3}, "unknown horizon schedule None"),
+        ({"schedule": "fixed", "rounds": 3, "steps_per_stage": 5}, r"no \['steps_per_stage'\]"),
+        ({"schedule": "stepwise", "round": [10]}, r"takes no \['round'\]"),
+        ({"schedule": "stepwise"}, "needs 'rounds'"),
+        ({"schedule": "stepwise", "rounds": []}, "rounds must be positive integers"),
+        ({"schedule": "stepwise", "rounds": [10, 0]}, "rounds must be positive integers"),
+        ({"schedule": "fixed", "rounds": 2.5}, "rounds must be positive integers"),
+        ({"schedule": "stepwise", "rounds": [1], "steps_per_stage": 0}, "steps_per_stage must be"),
+    ],
+)
+def test_bad_configs_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        horizon.from_config(config)
+
+
+def test_bad_steps_are_refused():
+    schedule = horizon.stepwise()
+    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+        schedule.horizon(-1)
+    with pytest.raises(TypeError):
+        schedule.stage(1.5)
