@@ -65,14 +65,17 @@ def test_unknown_environment_fails_with_the_servers_message():
 
 
 def _start_serving(*flags: str) -> tuple[subprocess.Popen, str]:
-    """Runs `mode=serve` until it prints the server URL; returns the process and that URL."""
+    """Runs `mode=serve` until it says it is serving; returns the process and the server URL."""
     process = subprocess.Popen(LAUNCH + ["--config.envs=maze", *flags], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
+    url = None
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if match := re.match(r"maze: (http://\S+)", line):
-            return process, match.group(1)
+            url = match.group(1)
+        if url and line.startswith("serving until Ctrl-C"):
+            return process, url
         if not line and process.poll() is not None:
             break
     process.kill()

@@ -227,8 +227,8 @@ def run(config: ml_collections.ConfigDict) -> None:
                                        f"{episode.error or ''}; last observation: {episode.turns[-1:]}")
         if not config.serve_forever:
             return
-        print("serving until Ctrl-C", flush=True)
         try:
+            print("serving until Ctrl-C", flush=True)
             while True:
                 servers.check_alive()
                 time.sleep(0.5)
