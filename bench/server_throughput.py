@@ -6,7 +6,8 @@
 Without `--url` it starts `python -m environments.serve --env=<env> --port=0` itself. With
 `--url` it drives any server that speaks the AgentGym protocol (`/create`, `/reset {id,
 data_idx}`, `/step {id, action}`), e.g. AgentGym's own FastAPI servers, for a side-by-side
-number (pass `--server_pid` to also get its CPU cost). Each session repeats one valid action (the first of `/available_actions` unless
+number (pass `--server_pid` to also get its CPU cost). Each session, on its own keep-alive
+connection, repeats one valid action (the first of `/available_actions` unless
 `--action` is given) and resets when its episode ends. The client shares the CPU with the server,
 so on a busy machine compare steps per server CPU-second (read from /proc), which the load
 does not change much, rather than steps per wall-clock second.
@@ -17,13 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
-
-import aiohttp
+import urllib.parse
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,43 +53,64 @@ def local_server(env: str):
         proc.wait()
 
 
-async def worker(http: aiohttp.ClientSession, url: str, data_idx: int, action: str | None,
-                 stop_at: float, counts: list[int]) -> None:
-    async with http.post(f"{url}/create", json={}) as answer:
-        session = (await answer.json())["id"]
+class Connection:
+    """One keep-alive HTTP/1.1 connection with a minimal JSON client: the client's own CPU cost
+    stays small next to the server's (aiohttp's client costs about as much as a server)."""
 
-    async def reset() -> None:
-        async with http.post(f"{url}/reset", json={"id": session, "data_idx": data_idx}) as answer:
-            assert answer.status == 200, await answer.text()
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
+        self.reader, self.writer, self.host = reader, writer, host
 
-    await reset()
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        parts = urllib.parse.urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        return cls(reader, writer, parts.netloc)
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else b""
+        self.writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+        answer = json.loads(await self.reader.readexactly(length))
+        if status != 200:
+            raise RuntimeError(f"{method} {path} -> {status}: {answer}")
+        return answer
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def worker(url: str, data_idx: int, action: str | None, stop_at: float, counts: list[int]) -> None:
+    conn = await Connection.open(url)
+    prefix = urllib.parse.urlsplit(url).path.rstrip("/")
+    session = (await conn.call("POST", f"{prefix}/create", {}))["id"]
+    await conn.call("POST", f"{prefix}/reset", {"id": session, "data_idx": data_idx})
     if action is None:
-        async with http.get(f"{url}/available_actions", params={"id": session}) as answer:
-            action = (await answer.json())["available_actions"][0]
+        action = (await conn.call("GET", f"{prefix}/available_actions?id={session}"))["available_actions"][0]
     while time.perf_counter() < stop_at:
-        async with http.post(f"{url}/step", json={"id": session, "action": action}) as answer:
-            assert answer.status == 200, await answer.text()
-            result = await answer.json()
+        result = await conn.call("POST", f"{prefix}/step", {"id": session, "action": action})
         counts[0] += 1
         if result["done"]:
-            await reset()
-    async with http.post(f"{url}/close", json={"id": session}):
-        pass
+            await conn.call("POST", f"{prefix}/reset", {"id": session, "data_idx": data_idx})
+    await conn.call("POST", f"{prefix}/close", {"id": session})
+    conn.close()
 
 
 async def measure(url: str, pid: int | None, sessions: int, seconds: float, action: str | None) -> tuple[float, float | None]:
     """(steps per wall-clock second, steps per server CPU-second or None without a pid)."""
     counts = [0]
-    connector = aiohttp.TCPConnector(limit=sessions)
-    async with aiohttp.ClientSession(connector=connector) as http:
-        warm_stop = time.perf_counter() + 1.0
-        await asyncio.gather(*(worker(http, url, i, action, warm_stop, [0]) for i in range(sessions)))
-        cpu_start = cpu_seconds(pid) if pid else None
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(http, url, i, action, start + seconds, counts) for i in range(sessions)))
-        wall = time.perf_counter() - start
-        per_cpu = counts[0] / (cpu_seconds(pid) - cpu_start) if pid else None
-        return counts[0] / wall, per_cpu
+    warm_stop = time.perf_counter() + 1.0
+    await asyncio.gather(*(worker(url, i, action, warm_stop, [0]) for i in range(sessions)))
+    cpu_start = cpu_seconds(pid) if pid else None
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(url, i, action, start + seconds, counts) for i in range(sessions)))
+    wall = time.perf_counter() - start
+    per_cpu = counts[0] / (cpu_seconds(pid) - cpu_start) if pid else None
+    return counts[0] / wall, per_cpu
 
 
 def main() -> None:
