@@ -11,8 +11,14 @@ from environments.maze.env import MazeEnv
 class FaultyMazeEnv(MazeEnv):
     """The action "explode" raises inside the environment; "sleep" takes a second.
 
-    `close()` appends a line to the file named by $CLOSE_LOG, so tests can see it was called.
+    `close()` appends a line to the file named by $CLOSE_LOG, so tests can see it was called;
+    `GET /maze_rows?id=` serves the layout as an extra query.
     """
+
+    extra_queries = ("maze_rows",)
+
+    def maze_rows(self) -> list[str]:
+        return list(self.layout)
 
     @classmethod
     def parse_action(cls, text: str) -> str | None:

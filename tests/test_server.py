@@ -231,6 +231,17 @@ def test_environment_exception_breaks_only_its_session(env_cls):
         assert_steps_correctly(url, broken)
 
 
+def test_extra_queries_are_served_on_every_prefix():
+    with start_server("tests.server_test_envs:FaultyMazeEnv") as url:
+        _, created = request_json(url, "POST", "/create", {})
+        session = created["id"]
+        assert request_json(url, "GET", f"/maze_rows?id={session}") == (200, [])  # allowed before reset
+        request_json(url, "POST", "/reset", {"id": session, "data_idx": 0})
+        status, rows = request_json(url, "GET", f"/maze/maze_rows?id={session}")
+        assert status == 200 and rows[0] == "#" * len(rows[0]) and len(rows) > 2
+        assert request_json(url, "GET", "/maze_rows?id=999")[0] == 404
+
+
 def test_blocking_environment_runs_in_threads_and_keeps_the_loop_free():
     """Four one-second steps overlap in the pool; /health answers while they run."""
     with start_server("tests.server_test_envs:BlockingFaultyMazeEnv") as url:
