@@ -31,10 +31,15 @@ def ref_scores(rewards, mask):
 
 
 def ref_group_outcome(scores, group_ids, mask, rule):
-    """Broadcasts `rule(own score, scores of the other members)` onto each row's policy tokens."""
+    """Broadcasts `rule(own score, scores of the other members)` onto each row's policy tokens.
+    Members are the rows of the same group that hold at least one policy token."""
     out = np.zeros(mask.shape)
     for i in range(len(scores)):
-        others = [scores[j] for j in range(len(scores)) if j != i and group_ids[j] == group_ids[i]]
+        others = [
+            scores[j]
+            for j in range(len(scores))
+            if j != i and group_ids[j] == group_ids[i] and mask[j].any()
+        ]
         value = rule(scores[i], others) if others else 0.0
         for t in range(mask.shape[1]):
             if mask[i, t]:
@@ -160,6 +165,20 @@ def test_rloo_matches_reference():
         np.testing.assert_allclose(got, want, **TOL)
     equal, _ = RLOO(jnp.asarray([0.3, 0.3, 0.3]), jnp.ones((3, 2), bool), jnp.asarray([5, 5, 5]))
     np.testing.assert_array_equal(equal, 0.0)
+
+
+def test_rows_without_policy_tokens_are_not_group_members():
+    """An episode the policy never acted in (row 2), whatever its score, leaves the others alone."""
+    mask = np.array([[1, 1], [1, 0], [0, 0], [0, 1]], bool)
+    group_ids = jnp.asarray([7, 7, 7, 3])
+    for garbage_score in (0.0, 1e30, np.nan):
+        scores = jnp.asarray([1.0, 0.0, garbage_score, 5.0], jnp.float32)
+        got, _ = GRPO(scores, jnp.asarray(mask), group_ids)
+        want = ref_group_outcome([1.0, 0.0, 0.0, 5.0], [7, 7, 7, 3], mask, grpo_rule(1e-6, True))
+        np.testing.assert_allclose(got, want, **TOL)
+        assert abs(float(got[0, 0]) - 1 / (math.sqrt(0.5) + 1e-6) / 2) < 1e-5  # a group of two
+        got, _ = RLOO(scores, jnp.asarray(mask), group_ids)
+        np.testing.assert_allclose(got, [[1, 1], [-1, 0], [0, 0], [0, 0]], **TOL)
 
 
 def test_group_ids_beyond_num_groups_are_refused():

@@ -50,15 +50,16 @@ def grpo(
     """GRPO: `(r - mean_g) / (std_g + epsilon)` (unbiased std, ddof=1) on every policy token.
 
     `scale_by_std=False` gives Dr. GRPO's `r - mean_g`. A group of one trajectory gets advantage 0
-    (its std is undefined and it carries no relative signal). `num_groups` bounds the number of
-    distinct ids (a static size for the segment ops); it defaults to the batch size, always enough.
+    (its std is undefined and it carries no relative signal); rows without policy tokens do not
+    count as members. `num_groups` bounds the number of distinct ids (a static size for the
+    segment ops); it defaults to the batch size, always enough.
     """
     centered, group_size, index, num_groups = _group_centered(
         scores, loss_mask, group_ids, num_groups
     )
     advantages = centered
     if scale_by_std:
-        sum_sq = jax.ops.segment_sum(centered**2, index, num_groups)[index]
+        sum_sq = jax.ops.segment_sum(centered**2, index, num_groups)[index]  # invalid rows are 0
         std = jnp.sqrt(sum_sq / jnp.maximum(group_size - 1.0, 1.0))
         advantages = centered / (std + epsilon)
     advantages = jnp.where(group_size > 1, advantages, 0.0)
@@ -75,7 +76,8 @@ def rloo(
 ) -> tuple[jax.Array, jax.Array]:
     """RLOO: `r_i - mean_{j != i} r_j` within the group, = n/(n-1) (r_i - mean_g).
 
-    A group of one trajectory (no other sample to compare with) gets advantage 0.
+    A group of one trajectory (no other sample to compare with) gets advantage 0; rows without
+    policy tokens do not count as members.
     """
     centered, group_size, _, _ = _group_centered(scores, loss_mask, group_ids, num_groups)
     leave_one_out_scale = group_size / jnp.maximum(group_size - 1.0, 1.0)
@@ -199,6 +201,8 @@ def _group_centered(
 ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     """Per trajectory: score minus its group mean, group size, dense group index; and num_groups.
 
+    Rows without a policy token are left out of the statistics (centred value 0, not counted in
+    the size): an episode the policy never acted in says nothing about the others' baseline.
     Arbitrary integer ids are mapped to 0..num_groups-1 with a static-size `jnp.unique`. The mean is
     taken of scores shifted by the group maximum, so an all-equal group centres to exactly 0.
     """
@@ -216,10 +220,16 @@ def _group_centered(
     _, index = jnp.unique(group_ids, return_inverse=True, size=num_groups)
     index = index.reshape(batch)
     scores = scores.astype(_float_dtype(scores))
-    group_size = jax.ops.segment_sum(jnp.ones_like(scores), index, num_groups)[index]
-    shifted = scores - jax.ops.segment_max(scores, index, num_groups)[index]
-    group_mean = jax.ops.segment_sum(shifted, index, num_groups)[index] / group_size
-    return shifted - group_mean, group_size, index, num_groups
+    valid = jnp.any(loss_mask, axis=-1)  # [batch]
+
+    def group_sum(x):  # [batch] -> the sum over each row's group of its valid rows, [batch]
+        return jax.ops.segment_sum(jnp.where(valid, x, 0.0), index, num_groups)[index]
+
+    group_size = group_sum(jnp.ones_like(scores))
+    group_max = jax.ops.segment_max(jnp.where(valid, scores, -jnp.inf), index, num_groups)[index]
+    shifted = jnp.where(valid, scores - group_max, 0.0)
+    centered = shifted - group_sum(shifted) / jnp.maximum(group_size, 1.0)
+    return jnp.where(valid, centered, 0.0), group_size, index, num_groups
 
 
 def _reverse_scan_over_seq(step: Callable, init, *arrays: jax.Array) -> jax.Array:

@@ -88,7 +88,7 @@ def value_loss(
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of the categorical distribution at each position: `[..., vocab] -> [...]`."""
+    """Entropy of the categorical at each position, `[..., vocab] -> [...]` (finite logits)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 

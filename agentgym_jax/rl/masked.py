@@ -40,7 +40,7 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.A
 
 
 def masked_var(x: jax.Array, mask: jax.Array, ddof: int = 1) -> jax.Array:
-    """Variance (scalar) of `x` over all set mask entries; 0 with at most `ddof` entries."""
+    """Variance (scalar) of `x` over all set mask entries, dividing by `max(n - ddof, 1)`."""
     centered = _masked_center(x, mask)
     return masked_sum(centered**2, mask) / jnp.maximum(masked_count(mask) - ddof, 1.0)
 
