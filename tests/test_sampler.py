@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 import tiny_hf
 import torch
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache, attention_mask
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
-from agentgym_jax.sampling.sampler import Sampler, StopReason
+from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason
 
 VOCAB, DIM = 32, 16
 
@@ -324,12 +326,27 @@ def test_greedy_equals_transformers_generate(qwen2):
             max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=2,
         )
     want = out[:, width:].numpy()
-    sampler = Sampler.for_decoder(
-        config, SamplingConfig(max_new_tokens=32, temperature=0.0, eot_ids=(2,)), max_cache_len=128
+    want = np.pad(want, ((0, 0), (0, 32 - want.shape[1])))  # rows that stopped on eos
+    greedy = SamplingConfig(max_new_tokens=32, temperature=0.0, eot_ids=(2,))
+    sampler = Sampler.for_decoder(config, greedy, max_cache_len=128)
+    _, turn = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))
+    np.testing.assert_array_equal(turn.tokens, want)
+
+    # The same on a ("data", "fsdp", "tensor") = 4x1x2 mesh: rows over data, kv heads over tensor.
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 1, 2), ("data", "fsdp", "tensor"))
+    kv = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+    shardings = SamplerShardings(
+        params=NamedSharding(mesh, P()),
+        batch=NamedSharding(mesh, P(("data", "fsdp"))),
+        cache=KVCache(kv, kv, NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P())),
     )
-    state = sampler.prefill(params, prompts)
-    _, turn = sampler.generate(params, state, jax.random.key(0))
-    np.testing.assert_array_equal(turn.tokens, np.pad(want, ((0, 0), (0, 32 - want.shape[1]))))
+    sharded = Sampler.for_decoder(config, greedy, max_cache_len=128, shardings=shardings)
+    assert sharded.batch_buckets[0] == 4
+    state, turn = sharded.generate(params, sharded.prefill(params, prompts), jax.random.key(0))
+    np.testing.assert_array_equal(turn.tokens, want)
+    assert state.cache.k.sharding.is_equivalent_to(kv, 5)
+    with pytest.raises(ValueError, match="multiples of the 4 row shards"):
+        Sampler.for_decoder(config, greedy, max_cache_len=128, shardings=shardings, batch_buckets=(2, 4))
 
 
 def test_decoder_continuation_equals_one_full_forward(qwen2):

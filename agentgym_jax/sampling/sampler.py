@@ -16,6 +16,7 @@ overflow as a status instead of wrapping around.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Callable, Sequence
@@ -86,24 +87,21 @@ def append_chunk(
     forward_fn: ForwardFn,
     params: Params,
     cache: KVCache,
-    logits: jax.Array | None,
+    logits: jax.Array,
     tokens: jax.Array,
     lengths: jax.Array,
 ) -> tuple[KVCache, jax.Array]:
     """Appends `tokens [B, T]` (row b's first `lengths[b]` are real) to the cache.
 
     Returns the advanced cache and `[B, V]` next-token logits: those after each row's last new
-    token, or `logits` unchanged for rows that appended nothing (`logits=None` for a fresh cache).
+    token, or `logits` unchanged for rows that appended nothing.
     """
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [T]
     real = offsets[None, :] < lengths[:, None]  # [B, T]
     positions = jnp.where(real, cache.next_positions()[:, None] + offsets, -1)
     out, cache = forward_fn(params, tokens, positions, cache)  # [B, T, V]
     last = jnp.take_along_axis(out, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    last = last.astype(jnp.float32)
-    if logits is not None:
-        last = jnp.where((lengths > 0)[:, None], last, logits)
-    return cache, last
+    return cache, jnp.where((lengths > 0)[:, None], last.astype(jnp.float32), logits)
 
 
 def decode(
@@ -184,6 +182,42 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     )
 
 
+def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any, **kw) -> Callable:
+    """`jax.jit(fn)`, with in/out shardings named by role ("params", "cache", "batch", ...) if sharded."""
+    if shardings is None:
+        return jax.jit(fn, **kw)
+    place = lambda role: jax.tree.map(
+        lambda r: shardings.replicated if r == "replicated" else getattr(shardings, r), role
+    )
+    return jax.jit(
+        fn, in_shardings=tuple(place(r) for r in ins if r != "static"), out_shardings=place(outs), **kw
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShardings:
+    """Where the jitted sampler functions keep their arrays (build them with `parallel.partition`).
+
+    Rows (tokens, logits, live flags, outputs) are split by `batch`; `cache` is a `KVCache` of
+    shardings (rows over the batch axes, key/value heads over `tensor`: independent of the cache
+    length, so every cache bucket uses it). Every batch bucket must divide evenly over `batch`.
+    """
+
+    params: Any  # a pytree of shardings matching the params, or one sharding for all
+    batch: jax.sharding.NamedSharding  # leading (row) dim, e.g. P(("data", "fsdp"))
+    cache: KVCache  # of shardings
+
+    @property
+    def row_shards(self) -> int:
+        """How many ways `batch` splits the rows."""
+        size = self.batch.mesh.size
+        return size // self.batch.shard_shape((size,))[0]
+
+    @property
+    def replicated(self) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.batch.mesh, jax.sharding.PartitionSpec())
+
+
 class Sampler:
     """Prefill, sample a turn, append environment tokens, sample the next turn, ...
 
@@ -198,6 +232,7 @@ class Sampler:
     and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
+    With `shardings`, every jitted function gets explicit in/out shardings over its mesh.
     """
 
     def __init__(
@@ -210,12 +245,16 @@ class Sampler:
         batch_buckets: Sequence[int] | None = None,
         chunk_buckets: Sequence[int] | None = None,
         cache_buckets: Sequence[int] | None = None,
+        shardings: SamplerShardings | None = None,
     ):
         self.config = config
         self.max_cache_len = max_cache_len
+        row_shards = shardings.row_shards if shardings else 1
         self.batch_buckets = buckets.check_buckets(
-            "batch_buckets", batch_buckets or buckets.powers_of_two(1, 1024)
+            "batch_buckets", batch_buckets or tuple(row_shards * 2**i for i in range(11))
         )
+        if any(b % row_shards for b in self.batch_buckets):
+            raise ValueError(f"batch_buckets {self.batch_buckets} must be multiples of the {row_shards} row shards")
         self.chunk_buckets = buckets.check_buckets(
             "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len)
         )
@@ -224,11 +263,25 @@ class Sampler:
         )
         if self.cache_buckets[-1] != max_cache_len:
             raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
-        self._init_cache = init_cache_fn
+        self._forward = forward_fn
+        self._vocab_size: int | None = None
+        jit = functools.partial(_jit, shardings)
+        self._init_cache = jit(init_cache_fn, ("static", "static"), "cache", static_argnums=(0, 1))
         # The cache and logits are donated: each call updates them in place.
-        self._append = jax.jit(functools.partial(append_chunk, forward_fn), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(decode, forward_fn, config), donate_argnums=(1, 2))
-        self._grow = jax.jit(grow_cache, static_argnums=1)  # pads into a bigger buffer: no donation
+        self._append = jit(
+            functools.partial(append_chunk, forward_fn),
+            ("params", "cache", "batch", "batch", "batch"),
+            ("cache", "batch"),
+            donate_argnums=(1, 2),
+        )
+        self._decode = jit(
+            functools.partial(decode, forward_fn, config),
+            ("params", "cache", "batch", "batch", "batch", "replicated"),
+            ("cache", "batch", "batch", ("batch",) * 5),
+            donate_argnums=(1, 2),
+        )
+        # Growing pads into a bigger buffer, so donation would not save a copy.
+        self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
     @classmethod
     def for_decoder(
@@ -239,12 +292,25 @@ class Sampler:
         max_cache_len: int,
         dtype: jnp.dtype | None = None,
         cache_dtype: jnp.dtype = jnp.float32,
+        shardings: SamplerShardings | None = None,
         **buckets_kw,
     ) -> Sampler:
         """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype)."""
-        forward_fn = functools.partial(decoder.forward, config=model_config, dtype=dtype)
+        forward_fn = functools.partial(
+            decoder.forward, config=model_config, dtype=dtype,
+            activation_sharding=shardings.batch if shardings else None,
+        )
         init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
-        return cls(forward_fn, init_cache_fn, config, max_cache_len=max_cache_len, **buckets_kw)
+        return cls(
+            forward_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings, **buckets_kw
+        )
+
+    def _vocab(self, params: Params, cache: KVCache) -> int:
+        """The model's vocabulary size, read once from the shape of its output (no compilation)."""
+        if self._vocab_size is None:
+            token = jax.ShapeDtypeStruct((cache.positions.shape[0], 1), jnp.int32)
+            self._vocab_size = jax.eval_shape(self._forward, params, token, token, cache)[0].shape[-1]
+        return self._vocab_size
 
     def _cache_bucket(self, length: int) -> int:
         return buckets.bucket(min(length, self.max_cache_len), self.cache_buckets, "cache length")
@@ -277,7 +343,8 @@ class Sampler:
         if tokens.shape[1] > self.max_cache_len:
             raise ValueError(f"prompt bucket {tokens.shape[1]} exceeds max_cache_len={self.max_cache_len}")
         cache = self._init_cache(batch, self._cache_bucket(tokens.shape[1]))
-        cache, logits = self._append(params, cache, None, tokens, lengths)
+        logits = np.zeros((batch, self._vocab(params, cache)), np.float32)
+        cache, logits = self._append(params, cache, logits, tokens, lengths)
         return SamplerState(cache=cache, logits=logits, live=jnp.asarray(live), num_rows=num_rows)
 
     def append(
