@@ -82,8 +82,9 @@ class BabyAIEnv(Environment):
 
     def __init__(self) -> None:
         self.engine: RoomGridLevel | None = None
-        self.data_idx = -1
         self.seen = np.zeros((0, 0), bool)  # [width, height]: cells seen this episode
+        self._visible: list[tuple[int, int]] = []  # cells in view now
+        self._scene: Scene | None = None  # of the current engine state
         self.episode_return = 0.0
         self.succeeded = False
         self.done = False
@@ -103,10 +104,13 @@ class BabyAIEnv(Environment):
         )
 
     def reset(self, data_idx: int) -> str:
-        self.engine = levels.make(data_idx)
-        self.data_idx = data_idx
+        return self.start(levels.make(data_idx))
+
+    def start(self, engine: RoomGridLevel) -> str:
+        """Begins an episode on an engine just reset (task ids use `levels.make`; tests build grids)."""
+        self.engine = engine
         self.seen = np.zeros((self.engine.width, self.engine.height), bool)
-        self._look()
+        self._look(self.engine.gen_obs())
         self.episode_return, self.succeeded, self.done = 0.0, False, False
         self._oracle = None
         self._observation = f"Your goal: {self.engine.mission}\n{self.scene().describe()}"
@@ -117,12 +121,17 @@ class BabyAIEnv(Environment):
             raise RuntimeError("no BabyAI episode: call reset(data_idx) first")
         return self.engine
 
-    def _look(self) -> None:
-        for cell in visible_cells(self.engine):
+    def _look(self, obs: dict) -> None:
+        """Records what the engine observation `obs` shows (after a reset or an engine step)."""
+        self._visible = visible_cells(self.engine, obs)
+        for cell in self._visible:
             self.seen[cell] = True
+        self._scene = None
 
     def scene(self) -> Scene:
-        return Scene(self._require_episode(), self.seen)
+        if self._scene is None:
+            self._scene = Scene(self._require_episode(), self.seen, self._visible)
+        return self._scene
 
     def step(self, action: str) -> StepResult:
         engine = self._require_episode()
@@ -138,9 +147,9 @@ class BabyAIEnv(Environment):
             return self._result(plan.reason, 0.0, invalid=True, executed=[])
         reward, executed, truncated = 0.0, [], False
         for primitive in plan:
-            _, r, _, truncated, _ = engine.step(primitive)
+            obs, r, _, truncated, _ = engine.step(primitive)
             executed.append(primitive)
-            self._look()
+            self._look(obs)
             reward += float(r)
             if r > 0:  # minigrid pays a reward only on the step that completes the mission
                 self.succeeded = True
@@ -163,7 +172,7 @@ class BabyAIEnv(Environment):
         engine = self.engine
         return self.result(observation, reward, self.done, invalid, truncated=truncated,
                            engine_steps=engine.step_count, max_steps=engine.max_steps,
-                           level=levels.task(self.data_idx)[0])
+                           level=engine.spec.id if engine.spec else type(engine).__name__)
 
     def observation(self) -> str:
         return self._observation

@@ -44,19 +44,17 @@ def steppable(cell: WorldObj | None) -> bool:
     return cell is None or (cell.can_overlap() and cell.type != "lava")
 
 
-def visible_cells(engine: MiniGridEnv) -> list[tuple[int, int]]:
-    """Absolute cells in the agent's current field of view (walls hide what lies behind them)."""
-    _, vis_mask = engine.gen_obs_grid()  # [view, view], view coords (i right, j from far to near)
+def visible_cells(engine: MiniGridEnv, obs: dict) -> list[tuple[int, int]]:
+    """Absolute cells in the field of view of the engine observation `obs` (walls hide what lies
+    behind them). minigrid encodes cells out of sight as type 0 ("unseen") in `obs["image"]`."""
+    vis_i, vis_j = np.nonzero(obs["image"][:, :, 0])  # view coords: i to the right, j from far to near
     size = engine.agent_view_size
-    f_vec, r_vec = engine.dir_vec, engine.right_vec
-    top_left = engine.agent_pos + f_vec * (size - 1) - r_vec * (size // 2)
-    cells = []
-    for j in range(size):
-        for i in range(size):
-            x, y = top_left - f_vec * j + r_vec * i
-            if vis_mask[i, j] and 0 <= x < engine.width and 0 <= y < engine.height:
-                cells.append((int(x), int(y)))
-    return cells
+    (fx, fy), (rx, ry) = engine.dir_vec, engine.right_vec
+    x0, y0 = engine.agent_pos
+    left, far = x0 + fx * (size - 1) - rx * (size // 2), y0 + fy * (size - 1) - ry * (size // 2)
+    xs, ys = left - fx * vis_j + rx * vis_i, far - fy * vis_j + ry * vis_i
+    inside = (xs >= 0) & (xs < engine.width) & (ys >= 0) & (ys < engine.height)
+    return list(zip(xs[inside].tolist(), ys[inside].tolist()))
 
 
 def _steps(n: int, word: str) -> str:
@@ -76,12 +74,12 @@ def relative_phrase(forward: int, right: int) -> str:
 class Scene:
     """The agent's current view and known grid: the text it reads and the targets actions name."""
 
-    def __init__(self, engine: MiniGridEnv, seen: np.ndarray):
+    def __init__(self, engine: MiniGridEnv, seen: np.ndarray, visible: list[tuple[int, int]]):
         self.engine = engine
         self.seen = seen
+        self.visible = visible
         pos = np.asarray(engine.agent_pos)
         self.state = (int(pos[0]), int(pos[1]), int(engine.agent_dir))
-        self.visible = visible_cells(engine)
         found = []
         for x, y in self.visible:
             cell = engine.grid.get(x, y)
