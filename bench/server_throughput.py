@@ -76,7 +76,7 @@ class Connection:
         status = int(head.split(b" ", 2)[1])
         length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
         answer = json.loads(await self.reader.readexactly(length))
-        if status != 200:
+        if status != 200 or (isinstance(answer, dict) and "error" in answer):  # AgentGym's servers answer errors with HTTP 200
             raise RuntimeError(f"{method} {path} -> {status}: {answer}")
         return answer
 
@@ -100,14 +100,16 @@ async def worker(url: str, data_idx: int, action: str | None, stop_at: float, co
     conn.close()
 
 
-async def measure(url: str, pid: int | None, sessions: int, seconds: float, action: str | None) -> tuple[float, float | None]:
+async def measure(url: str, pid: int | None, sessions: int, seconds: float, action: str | None,
+                  task_id: int | None) -> tuple[float, float | None]:
     """(steps per wall-clock second, steps per server CPU-second or None without a pid)."""
     counts = [0]
     warm_stop = time.perf_counter() + 1.0
-    await asyncio.gather(*(worker(url, i, action, warm_stop, [0]) for i in range(sessions)))
+    await asyncio.gather(*(worker(url, i if task_id is None else task_id, action, warm_stop, [0]) for i in range(sessions)))
     cpu_start = cpu_seconds(pid) if pid else None
     start = time.perf_counter()
-    await asyncio.gather(*(worker(url, i, action, start + seconds, counts) for i in range(sessions)))
+    await asyncio.gather(*(worker(url, i if task_id is None else task_id, action, start + seconds, counts)
+                           for i in range(sessions)))
     wall = time.perf_counter() - start
     per_cpu = counts[0] / (cpu_seconds(pid) - cpu_start) if pid else None
     return counts[0] / wall, per_cpu
@@ -120,11 +122,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--action", default=None)
+    parser.add_argument("--task_id", type=int, default=None, help="one task for all sessions (default: session i plays task i)")
     parser.add_argument("--server_pid", type=int, default=None, help="pid of the --url server, for its CPU time")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         url, pid = (args.url, args.server_pid) if args.url else stack.enter_context(local_server(args.env))
-        rate, per_cpu = asyncio.run(measure(url, pid, args.sessions, args.seconds, args.action))
+        rate, per_cpu = asyncio.run(measure(url, pid, args.sessions, args.seconds, args.action, args.task_id))
     cpu = f", {per_cpu:.0f} steps per server CPU-second" if per_cpu else ""
     print(f"{args.url or args.env}: {rate:.0f} steps/s with {args.sessions} concurrent sessions{cpu}")
 
