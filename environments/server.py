@@ -172,7 +172,7 @@ class EnvServer:
                 raise ProtocolError(f"session {session.id} was closed", 404)
             observation, score = await self._call_env(session, _reset, session.env, data_idx)
             session.data_idx, session.done, session.broken = data_idx, False, False
-            session.steps = session.invalid_actions = 0
+            session.invalid_actions = 0
         return web.json_response(
             {"id": session.id, "data_idx": data_idx, "observation": observation,
              "reward": 0.0, "score": score, "done": False}
@@ -187,7 +187,6 @@ class EnvServer:
             if session.done:
                 raise ProtocolError(f"episode of session {session.id} is done; POST /reset to start another", 409)
             result = await self._call_env(session, _step, session.env, text)
-            session.steps += 1
             session.done = result.done
             if result.info.get("invalid_action"):
                 session.invalid_actions += 1

@@ -31,7 +31,6 @@ class Session:
     done: bool = False
     broken: bool = False  # an exception escaped the environment; only reset or close help
     closed: bool = False
-    steps: int = 0
     invalid_actions: int = 0
 
     def touch(self) -> None:
