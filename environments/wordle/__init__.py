@@ -1,0 +1,1 @@
+"""Wordle: guess a five-letter word from per-letter feedback (LMRL-Gym format, AgentGym server)."""
