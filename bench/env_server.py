@@ -147,16 +147,27 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,16,64,256", help="comma-separated concurrency levels")
     parser.add_argument("--seconds", type=float, default=4.0, help="timed run per level")
     parser.add_argument("--tasks", type=int, default=64, help="task ids to record and replay")
+    parser.add_argument("--actions", default="", help="comma-separated actions to replay on every task "
+                        "instead of recorded oracle actions (for servers whose task ids mean other tasks)")
     args = parser.parse_args()
     levels = [int(s) for s in args.sessions.split(",")]
     make_client = dialect_client_factory(args.dialect) if args.dialect else EnvClient
 
-    with LocalServers([args.env]) as ours:  # records the oracle; stopped before timing a --url server
-        scripts = asyncio.run(record_oracle(ours.urls[args.env], args.tasks))
-        if not args.url:
-            rows = [asyncio.run(drive(ours.urls[args.env], make_client, scripts, n, args.seconds)) for n in levels]
-    if args.url:
-        rows = [asyncio.run(drive(args.url, make_client, scripts, n, args.seconds)) for n in levels]
+    def measure(url: str) -> list[Stats]:
+        return [asyncio.run(drive(url, make_client, scripts, n, args.seconds)) for n in levels]
+
+    if args.actions:
+        scripts = {i: [a.strip() for a in args.actions.split(",")] for i in range(args.tasks)}
+    if args.url and args.actions:
+        rows = measure(args.url)
+    else:
+        with LocalServers([args.env]) as ours:  # records the oracle; stopped before timing a --url server
+            if not args.actions:
+                scripts = asyncio.run(record_oracle(ours.urls[args.env], args.tasks))
+            if not args.url:
+                rows = measure(ours.urls[args.env])
+        if args.url:
+            rows = measure(args.url)
 
     target = args.url or f"our {args.env} server"
     print(f"env={args.env} server={target} dialect={args.dialect or 'native'} "
