@@ -104,6 +104,16 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _pick(fields: Any, aliases: tuple[str, ...], kind: type, name: str) -> Any:
+    """`protocol.pick`, with ids too long for `int()` (over 4300 digits) also a 400."""
+    try:
+        return protocol.pick(fields, aliases, kind, name)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        raise ProtocolError(f"field {name!r} is not a usable {kind.__name__}: {e}"[:300]) from None
+
+
 class EnvServer:
     """The protocol handlers for one environment class over one session table."""
 
@@ -133,7 +143,7 @@ class EnvServer:
             ) from e
 
     def _session(self, fields: Any) -> Session:
-        return self.table.get(protocol.pick(fields, protocol.SESSION_ID_ALIASES, int, "id"))
+        return self.table.get(_pick(fields, protocol.SESSION_ID_ALIASES, int, "id"))
 
     @staticmethod
     def _check_live(session: Session, what: str) -> None:
@@ -164,7 +174,7 @@ class EnvServer:
     async def reset(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         session = self._session(body)
-        data_idx = protocol.pick(body, protocol.TASK_ID_ALIASES, int, "data_idx")
+        data_idx = _pick(body, protocol.TASK_ID_ALIASES, int, "data_idx")
         if not 0 <= data_idx < self.num_tasks:
             raise ProtocolError(f"data_idx {data_idx} out of range: valid task ids are 0..{self.num_tasks - 1}")
         async with session.lock:
@@ -181,7 +191,7 @@ class EnvServer:
     async def step(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         session = self._session(body)
-        text = protocol.pick(body, protocol.ACTION_ALIASES, str, "action")
+        text = _pick(body, protocol.ACTION_ALIASES, str, "action")
         async with session.lock:
             self._check_live(session, "/step")
             if session.done:
@@ -231,7 +241,7 @@ class EnvServer:
 
     async def close(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        session_id = protocol.pick(body, protocol.SESSION_ID_ALIASES, int, "id")
+        session_id = _pick(body, protocol.SESSION_ID_ALIASES, int, "id")
         session = self.table.pop(session_id)
         await self.close_session(session)
         return web.json_response({"id": session_id, "closed": True})

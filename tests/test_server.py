@@ -67,6 +67,7 @@ BAD_INPUTS = {
     "unknown_session_get": ("GET", "/observation?id=98765", None, 404),
     "query_id_missing": ("GET", "/available_actions", None, 400),
     "query_id_text": ("GET", "/oracle_action?id=abc", None, 400),
+    "query_id_5000_digits": ("GET", "/observation?id=" + "9" * 5000, None, 400),
     "one_megabyte_action": ("POST", "/step", json.dumps({"id": 0, "action": "a" * BIG}).encode(), 413),
     "unknown_path": ("POST", "/teleport", b"{}", 404),
     "wrong_method": ("GET", "/step", None, 405),
