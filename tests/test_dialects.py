@@ -20,11 +20,11 @@ from agentgym_jax.envs.protocol import EpisodeStatus
 
 @pytest.fixture(scope="module")
 def ours():
-    with LocalServers(["maze", "textcraft"]) as servers:
+    with LocalServers(["maze", "textcraft", "babyai", "wordle"]) as servers:
         yield servers.urls
 
 
-@pytest.mark.parametrize("env", ["maze", "textcraft"])
+@pytest.mark.parametrize("env", ["maze", "textcraft", "babyai", "wordle"])
 def test_dialect_plays_the_same_episode_as_the_native_protocol(ours, env):
     """Through AgentGym's paths and field names our server must give the identical transcript."""
 
