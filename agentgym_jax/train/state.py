@@ -36,9 +36,10 @@ class TrainState:
             tx=tx,
         )
 
-    def apply_gradients(self, grads: Any) -> TrainState:
-        """One optimizer update, or none when `grads` holds a non-finite value."""
-        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    def apply_gradients(self, grads: Any, loss: jax.Array | None = None) -> TrainState:
+        """One optimizer update, or none when `grads` (or `loss`) holds a non-finite value."""
+        checked = jax.tree.leaves(grads) + ([loss] if loss is not None else [])
+        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in checked]))
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731

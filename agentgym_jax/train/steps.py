@@ -1,0 +1,246 @@
+"""Jitted, pure update steps: the PPO-family RL update and the SFT step.
+
+`prepare` turns a `TokenBatch` of trajectories into an `RLBatch` (trainer log-probs of the
+sampled tokens, reference log-probs, critic values, advantages, returns) once per rollout batch;
+`rl_update` then runs `ppo_epochs` epochs over shuffled mini-batches, each mini-batch one
+optimizer update whose gradient is accumulated over micro-batches. Micro-batch losses are
+weighted by their share of the mini-batch's tokens (or sequences, for the seq-mean modes), so
+accumulation gives exactly the gradient of the whole mini-batch. An update whose loss or
+gradient is not finite is skipped and counted (`TrainState.apply_gradients`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.decoder import forward, value_head
+from agentgym_jax.rl.advantages import compute_advantages
+from agentgym_jax.rl.kl import apply_kl_penalty, kl_loss
+from agentgym_jax.rl.losses import entropy_from_logits, ppo_policy_loss, value_loss
+from agentgym_jax.rl.masked import aggregate_loss, masked_count, masked_mean
+from agentgym_jax.rollout.batch import TokenBatch
+from agentgym_jax.train.state import TrainState
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps."""
+
+    model: ModelConfig
+    advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
+    advantage_hparams: tuple[tuple[str, float], ...] = ()  # e.g. (("gamma", 1.0), ("lam", 0.95))
+    ppo_epochs: int = 1
+    num_minibatches: int = 1  # optimizer updates per epoch
+    num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
+    clip_eps_low: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    kl_in_reward: bool = False  # False: KL is a loss term (GRPO); True: a reward penalty (PPO)
+    entropy_coef: float = 0.0
+    vf_coef: float = 0.5
+    clip_eps_value: float = 0.5
+    agg_mode: str = "token-mean"
+    compute_dtype: str | None = None  # None: the parameters' dtype
+    remat: bool = False
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
+
+
+@flax.struct.dataclass
+class RLBatch:
+    tokens: jax.Array  # [batch, seq] int32
+    positions: jax.Array  # [batch, seq] int32; -1 on padding
+    loss_mask: jax.Array  # [batch, seq] float32
+    old_logprobs: jax.Array  # [batch, seq] trainer log-probs under the params that sampled
+    ref_logprobs: jax.Array  # [batch, seq]
+    old_values: jax.Array  # [batch, seq]; zeros without a critic
+    advantages: jax.Array  # [batch, seq]
+    returns: jax.Array  # [batch, seq]
+
+
+def token_logprobs(
+    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
+
+    Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
+    entry 0 has no prefix and is 0. Materialises [batch, seq, vocab] logits: size micro-batches
+    for it.
+    """
+    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
+    logits, _, hidden = forward(
+        params, tokens, positions, None, config=config.model, dtype=dtype, remat=config.remat,
+        return_hidden=True,
+    )
+    logits = logits[:, :-1]  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
+    entropy = entropy_from_logits(logits)
+    if config.uses_critic:
+        values = value_head(params, hidden)[:, :-1]  # value of the state each token is sampled in
+    else:
+        values = jnp.zeros_like(logp)
+    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    return shift(logp), shift(entropy), shift(values)
+
+
+def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[RLBatch, Metrics]:
+    """Scores a rollout batch with the current and the reference policy and computes advantages."""
+    mask = batch.loss_mask
+    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    if config.uses_reference:
+        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config)
+    else:
+        ref_logprobs = old_logprobs
+    rewards = batch.token_rewards
+    if config.kl_in_reward:
+        rewards, _ = apply_kl_penalty(
+            rewards, old_logprobs, ref_logprobs, mask, kl_coef=config.kl_coef, estimator=config.kl_estimator
+        )
+    advantages, returns = compute_advantages(
+        config.advantage,
+        token_rewards=rewards,
+        loss_mask=mask,
+        values=values if config.uses_critic else None,
+        group_ids=batch.group_ids,
+        **dict(config.advantage_hparams),
+    )
+    metrics = {
+        # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
+        "logprob_gap": masked_mean(jnp.abs(batch.old_logprobs - old_logprobs), mask),
+        "entropy_at_rollout": masked_mean(entropy, mask),
+        "advantage_mean": masked_mean(advantages, mask),
+        "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
+        "policy_tokens": masked_count(mask),
+    }
+    rl_batch = RLBatch(
+        tokens=batch.tokens,
+        positions=batch.positions,
+        loss_mask=mask,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        old_values=values,
+        advantages=advantages,
+        returns=returns,
+    )
+    return rl_batch, metrics
+
+
+def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """PPO clipped surrogate + KL to the reference - entropy bonus + clipped value loss."""
+    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    mask = batch.loss_mask
+    pg_loss, metrics = ppo_policy_loss(
+        logprobs, batch.old_logprobs, batch.advantages, mask, agg_mode=config.agg_mode,
+        clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
+        dual_clip_c=config.dual_clip_c,
+    )
+    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode)
+    loss = pg_loss - config.entropy_coef * entropy_loss
+    metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss}
+    if config.uses_reference and not config.kl_in_reward:
+        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, agg_mode=config.agg_mode)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = kl
+    if config.uses_critic:
+        v_loss, v_metrics = value_loss(
+            values, batch.old_values, batch.returns, mask, agg_mode=config.agg_mode,
+            clip_eps_value=config.clip_eps_value,
+        )
+        loss = loss + config.vf_coef * v_loss
+        metrics = {**metrics, **v_metrics, "value_loss": v_loss}
+    return loss, {**metrics, "loss": loss}
+
+
+def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL)."""
+    logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config)
+    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode)
+    return loss, {"loss": loss, "nll": loss}
+
+
+def _share(loss_mask: jax.Array, agg_mode: str) -> jax.Array:
+    """[num_micro] weights making the weighted sum of micro-batch losses equal the full loss."""
+    if agg_mode == "token-mean":
+        counts = jnp.sum(loss_mask, axis=(1, 2))  # tokens per micro-batch
+    else:
+        counts = jnp.sum(jnp.any(loss_mask > 0, axis=2), axis=1).astype(jnp.float32)  # sequences
+    return counts / jnp.maximum(jnp.sum(counts), 1.0)
+
+
+def _split(tree: Any, parts: int) -> Any:
+    """[batch, ...] -> [parts, batch // parts, ...] on every leaf."""
+    return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), tree)
+
+
+def accumulated_update(
+    state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
+) -> tuple[TrainState, Metrics]:
+    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`."""
+    micro = _split(batch, config.num_microbatches)
+    weights = _share(micro.loss_mask, config.agg_mode)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro_step(grads, inputs):
+        micro_batch, weight = inputs
+        (_, metrics), micro_grads = grad_fn(state.params, micro_batch, config)
+        grads = jax.tree.map(lambda g, m: g + weight * m, grads, micro_grads)
+        return grads, jax.tree.map(lambda m: weight * m, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, metrics = jax.lax.scan(micro_step, zeros, (micro, weights))
+    metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    new_state = state.apply_gradients(grads, loss=metrics["loss"])
+    metrics["skipped_update"] = (new_state.skipped_updates - state.skipped_updates).astype(jnp.float32)
+    return new_state, metrics
+
+
+def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """`ppo_epochs` x `num_minibatches` optimizer updates over shuffled rows of `batch`."""
+    rows = batch.tokens.shape[0]
+    if rows % (config.num_minibatches * config.num_microbatches):
+        raise ValueError(
+            f"batch of {rows} rows is not divisible into {config.num_minibatches} mini-batches "
+            f"x {config.num_microbatches} micro-batches"
+        )
+
+    def epoch(state, _):
+        rng, shuffle_rng = jax.random.split(state.rng)
+        permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, rows)], batch)
+        minibatches = _split(permuted, config.num_minibatches)
+        return jax.lax.scan(
+            lambda s, mb: accumulated_update(s, mb, rl_loss, config), state.replace(rng=rng), minibatches
+        )
+
+    state, metrics = jax.lax.scan(epoch, state, None, length=config.ppo_epochs)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["skipped_update"] = metrics["skipped_update"] * config.ppo_epochs * config.num_minibatches
+    return state, metrics
+
+
+def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """One behaviour-cloning update, accumulated over `num_microbatches`."""
+    return accumulated_update(state, batch, sft_loss, config)
+
+
+prepare_jit = jax.jit(prepare, static_argnames="config")
+rl_update_jit = jax.jit(rl_update, static_argnames="config", donate_argnames="state")
+sft_update_jit = jax.jit(sft_update, static_argnames="config", donate_argnames="state")
