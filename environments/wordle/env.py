@@ -79,6 +79,7 @@ class WordleEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     route_prefixes: ClassVar[tuple[str, ...]] = ("/wordle",)  # AgentGym's LMRL-Gym server
     extra_queries: ClassVar[tuple[str, ...]] = ("filtered_vocab",)
+    blocking: ClassVar[bool] = True  # the oracle's numpy work can take a tenth of a second
 
     def __init__(self) -> None:
         self.answer: str | None = None

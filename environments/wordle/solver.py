@@ -13,6 +13,7 @@ The opening guess is the same for every task, so it is a constant (checked by a 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def _answers() -> np.ndarray:
     return encode(answer_words())  # [n, 5]
 
 
-def candidates(history: list[tuple[str, str]]) -> np.ndarray:
+def candidates(history: Sequence[tuple[str, str]]) -> np.ndarray:
     """Indices into `answer_words()` consistent with every (guess, feedback) pair."""
     return np.flatnonzero(consistent(history, _answers()))
 
@@ -41,9 +42,9 @@ def _expected_left(candidate_ids: np.ndarray) -> np.ndarray:
     scores = []
     for start in range(0, len(answers), _CHUNK):
         codes = feedback_codes(answers[start : start + _CHUNK], targets).astype(np.int64)  # [c, k]
-        rows = np.arange(len(codes))[:, None] * NUM_CODES
+        rows = np.arange(len(codes))[:, None] * NUM_CODES  # one bincount row per guess
         counts = np.bincount((codes + rows).ravel(), minlength=len(codes) * NUM_CODES)
-        scores.append((counts.reshape(len(codes), NUM_CODES).astype(np.int64) ** 2).sum(axis=1))
+        scores.append((counts.reshape(len(codes), NUM_CODES) ** 2).sum(axis=1))  # [c]
     return np.concatenate(scores)
 
 
