@@ -1,0 +1,52 @@
+"""Paired comparison: exact McNemar and paired bootstrap against hand-computed cases."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from agentgym_jax.eval import paired
+
+
+def test_mcnemar_exact_hand_computed():
+    # 8 wins, 2 losses: 2 * (C(10,0) + C(10,1) + C(10,2)) / 2^10 = 2 * 56 / 1024.
+    assert paired.mcnemar_exact_p(8, 2) == pytest.approx(112 / 1024, abs=1e-15)
+    assert paired.mcnemar_exact_p(2, 8) == pytest.approx(112 / 1024, abs=1e-15)
+    assert paired.mcnemar_exact_p(0, 5) == pytest.approx(2 / 32, abs=1e-15)
+    assert paired.mcnemar_exact_p(3, 3) == 1.0  # 2 * 42/64 > 1 is capped
+    assert paired.mcnemar_exact_p(0, 0) == 1.0
+    assert paired.mcnemar_exact_p(1, 0) == 1.0  # 2 * 1/2
+    with pytest.raises(ValueError, match=">= 0"):
+        paired.mcnemar_exact_p(-1, 2)
+
+
+def test_bootstrap_degenerate_cases():
+    p, ci = paired.paired_bootstrap(np.full(7, 0.25), num_bootstrap=999, seed=3)
+    assert p == pytest.approx(1 / 1000) and ci == pytest.approx((0.25, 0.25))
+    p, _ = paired.paired_bootstrap(np.zeros(5), num_bootstrap=999)
+    assert p == 1.0
+    with pytest.raises(ValueError, match="non-empty 1-d"):
+        paired.paired_bootstrap(np.zeros(0))
+
+
+def test_bootstrap_p_matches_exact_enumeration_of_resamples():
+    differences = np.array([1.0, 0.5, -0.25])
+    observed = differences.mean()
+    resamples = list(itertools.product(range(3), repeat=3))  # all 27 equally likely resamples
+    exact = sum(abs(differences[list(r)].mean() - observed) >= abs(observed) - 1e-12 for r in resamples) / 27
+    p, (low, high) = paired.paired_bootstrap(differences, num_bootstrap=20_000, seed=0)
+    assert p == pytest.approx(exact, abs=0.015)
+    assert low == pytest.approx(-0.25, abs=0.09) and high == pytest.approx(1.0)
+    assert paired.paired_bootstrap(differences, 500, seed=1) == paired.paired_bootstrap(differences, 500, seed=1)
+
+
+def test_compare_runs_counts_and_errors():
+    a = {("maze", 0): 1.0, ("maze", 1): 0.5, ("maze", 2): 0.0, ("maze", 3): 1.0}
+    b = {("maze", 0): 0.0, ("maze", 1): 0.5, ("maze", 2): 0.5, ("maze", 3): 0.0}
+    c = paired.compare_runs(a, b, num_bootstrap=200)
+    assert (c.wins, c.losses, c.ties) == (2, 1, 1)
+    assert c.mcnemar_p == 1.0  # 2 * (C(3,0) + C(3,1)) / 2^3 = 1
+    assert c.mean_difference == pytest.approx((1 + 0 - 0.5 + 1) / 4)
+    assert (c.mean_a, c.mean_b) == (pytest.approx(2.5 / 4), pytest.approx(1.0 / 4))
+    with pytest.raises(ValueError, match=r"only in A: \[\('maze', 3\)\]"):
+        paired.compare_runs(a, {k: v for k, v in b.items() if k != ("maze", 3)})
