@@ -1,0 +1,41 @@
+"""The device mesh: axes ("data", "fsdp", "tensor") over all devices of the job.
+
+`data` replicates parameters and splits the batch; `fsdp` splits the batch *and* shards every
+large parameter matrix (gathered per layer when used); `tensor` splits attention heads and the
+MLP hidden dimension Megatron-style. The batch is sharded over ("data", "fsdp").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+    """Resolves one -1 entry to the remaining devices; checks the product is `num_devices`."""
+    shape = (data, fsdp, tensor)
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh (data, fsdp, tensor) = {shape}: use positive sizes and at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh {shape}: {num_devices} devices are not divisible by {known}")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh (data, fsdp, tensor) = {shape} needs {math.prod(shape)} devices, but there are {num_devices}"
+        )
+    return shape
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices of all hosts)."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
