@@ -98,8 +98,9 @@ def test_children_die_with_the_parent(how):
 
 
 def test_serve_mode_plays_a_successful_oracle_episode_and_exits():
-    done = subprocess.run(LAUNCH + ["--config.envs=maze", "--config.serve_forever=False"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    """With an auth token, so the episode also shows the client sends it (the server refuses without)."""
+    done = subprocess.run(LAUNCH + ["--config.envs=maze", "--config.serve_forever=False", "--config.auth_token=s3cret"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     match = re.search(r"oracle episode: env=maze task=(\d+) turns=(\d+) reward=(\S+) success=True", done.stdout)
     assert match, done.stdout

@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import ml_collections
 from absl import logging
@@ -196,6 +196,10 @@ async def play_oracle_episode(url: str, auth_token: str = "", max_turns: int = 5
         return await pool.run_episode(split[0], pool.oracle_policy, max_turns=max_turns)
 
 
+async def _gather(*episodes: Awaitable[Episode]) -> list[Episode]:
+    return list(await asyncio.gather(*episodes))
+
+
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -214,8 +218,9 @@ def run(config: ml_collections.ConfigDict) -> None:
             logging.info("%s server on %s", env, url)
             print(f"{env}: {url}", flush=True)
         if config.play_oracle_episode:
-            for env, url in servers.urls.items():
-                episode = asyncio.run(play_oracle_episode(url, config.auth_token))
+            urls = servers.urls
+            episodes = asyncio.run(_gather(*(play_oracle_episode(url, config.auth_token) for url in urls.values())))
+            for env, episode in zip(urls, episodes):
                 success = episode.status is EpisodeStatus.SUCCESS
                 print(
                     f"oracle episode: env={env} task={episode.data_idx} turns={len(episode.turns)} "
@@ -224,7 +229,7 @@ def run(config: ml_collections.ConfigDict) -> None:
                 )
                 if not success:
                     raise RuntimeError(f"{env}'s oracle failed task {episode.data_idx}: {episode.status.value} "
-                                       f"{episode.error or ''}; last observation: {episode.turns[-1:]}")
+                                       f"{episode.error or ''}; last turn: {episode.turns[-1:]}")
         if not config.serve_forever:
             return
         try:
