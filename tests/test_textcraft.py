@@ -174,3 +174,10 @@ def test_task_ids_do_not_depend_on_hash_seed():
         outputs.append(proc.stdout)
     local = TextCraftEnv()
     assert json.loads(outputs[0]) == json.loads(outputs[1]) == [local.reset(i) for i in ids]
+
+
+def test_recipe_decides_the_output_count(table_env):
+    """The count written before the target is ignored, as in AgentGym: one craft = one recipe."""
+    table_env.step("get 1 oak logs")
+    r = table_env.step("craft 9 oak planks using 1 oak logs")
+    assert r.observation == "Crafted 4 oak planks" and table_env.inventory == {"minecraft:oak_planks": 4}
