@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import pytest
 
-from agentgym_jax.envs.client import EnvClient
+from agentgym_jax.envs.client import EnvClient, EnvConnectionError, EnvRequestTimeout, EnvServerError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -215,3 +216,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_client_raises_typed_errors(maze):
+    process = maze.servers[0].process
+
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            client = EnvClient(maze.urls["maze"], http, request_timeout_s=0.3)
+            info = await client.tasks()
+            session = await client.create()
+            with pytest.raises(EnvServerError) as bad_task:
+                await client.reset(session, info.num_tasks)
+            with pytest.raises(EnvServerError) as unknown:
+                await client.step(session + 10_000, "move up")
+            with pytest.raises(EnvConnectionError) as refused:
+                await EnvClient(f"http://127.0.0.1:{_free_port()}", http).health()
+            os.kill(process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(EnvRequestTimeout):
+                    await client.health()
+            finally:
+                os.kill(process.pid, signal.SIGCONT)
+            await client.close(session)
+            return info, bad_task.value, unknown.value, refused.value
+
+    info, bad_task, unknown, refused = asyncio.run(asyncio.wait_for(main(), 20))
+    assert info.env == "maze" and info.num_tasks > 0
+    assert bad_task.status == 400 and bad_task.is_client_error and "out of range" in bad_task.message
+    assert unknown.status == 404 and "unknown session" in unknown.message
+    assert not isinstance(refused, EnvServerError) and not isinstance(refused, EnvRequestTimeout)
