@@ -25,6 +25,7 @@ ENVS = [
     "textcraft",  # the 860 Minecraft recipe files AgentGym's TextCraft uses
     "minigrid",  # BabyAI levels and BabyAIBot
     "english-words",  # Wordle word list
+    "scienceworld",  # ScienceWorld simulator (a JVM engine via py4j; needs a Java runtime)
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0"]
 
