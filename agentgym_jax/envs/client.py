@@ -60,6 +60,7 @@ class EnvClient:
         self.url = url.rstrip("/")
         self._session = session
         self.request_timeout_s = request_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
 
     def __repr__(self) -> str:
@@ -72,21 +73,19 @@ class EnvClient:
         *,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
     ) -> Any:
         """One request -> the decoded JSON body (or the text when the body is not JSON)."""
         url = self.url + path
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
         params = {k: str(v) for k, v in (params or {}).items()}
         try:
             async with self._session.request(
-                method, url, json=body, params=params, headers=self._headers, timeout=timeout
+                method, url, json=body, params=params, headers=self._headers, timeout=self._timeout
             ) as response:
                 text = await response.text()
                 status = response.status
                 is_json = response.content_type == "application/json"
         except asyncio.TimeoutError as e:
-            raise EnvRequestTimeout(f"{method} {url}: no answer within {timeout.total:.3g} s") from e
+            raise EnvRequestTimeout(f"{method} {url}: no answer within {self.request_timeout_s:.3g} s") from e
         except aiohttp.ClientConnectionError as e:
             raise EnvConnectionError(f"{method} {url}: {type(e).__name__}: {e}") from e
         answer = _decode(text) if is_json else text

@@ -370,8 +370,12 @@ def _session_unusable(error: EnvError) -> bool:
     return _unreachable(error) or _is_session_lost(error)
 
 
-async def _as_completed(coros: list[Awaitable[SlotResult]]) -> AsyncIterator[SlotResult]:
-    tasks = [asyncio.ensure_future(c) for c in coros]
+def _as_completed(coros: list[Awaitable[SlotResult]]) -> AsyncIterator[SlotResult]:
+    """Starts every request now; yields results in the order they arrive."""
+    return _yield_as_completed([asyncio.ensure_future(c) for c in coros])
+
+
+async def _yield_as_completed(tasks: list[asyncio.Future]) -> AsyncIterator[SlotResult]:
     try:
         for next_done in asyncio.as_completed(tasks):
             yield await next_done
