@@ -26,6 +26,7 @@ from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason
+from agentgym_jax.sampling.step import from_forward
 
 VOCAB, DIM = 32, 16
 
@@ -75,7 +76,7 @@ def numpy_toy_logits(params, tokens: list[int]) -> np.ndarray:
 
 
 def toy_sampler(config: SamplingConfig, max_cache_len: int = 256, **kw) -> Sampler:
-    return Sampler(toy_forward, toy_cache, config, max_cache_len=max_cache_len, **kw)
+    return Sampler(from_forward(toy_forward), toy_cache, config, max_cache_len=max_cache_len, **kw)
 
 
 @contextlib.contextmanager
@@ -174,7 +175,7 @@ def test_top_p_never_samples_outside_the_nucleus():
     probs[probs == 0] = 0.01 / (VOCAB - 5)
     # mass before token 20 is 0.70 < 0.8, before token 11 it is 0.85: nucleus {7, 3, 20}
     config = SamplingConfig(max_new_tokens=32, top_p=0.8)
-    sampler = Sampler(fixed_forward, toy_cache, config, max_cache_len=64)
+    sampler = Sampler(from_forward(fixed_forward), toy_cache, config, max_cache_len=64)
     params = jnp.log(jnp.asarray(probs, jnp.float32))
     state = sampler.prefill(params, [[0]] * 64)
     _, turn = sampler.generate(params, state, jax.random.key(42))

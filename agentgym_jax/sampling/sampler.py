@@ -33,10 +33,8 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.filters import sample
+from agentgym_jax.sampling.step import Params, StepFn, decoder_step
 
-Params = Any
-# (params, tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache advanced by T)
-ForwardFn = Callable[[Params, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 # (batch, max_len) -> an empty cache
 InitCacheFn = Callable[[int, int], KVCache]
 
@@ -84,7 +82,7 @@ class _DecodeCarry(NamedTuple):
 
 
 def append_chunk(
-    forward_fn: ForwardFn,
+    step_fn: StepFn,
     params: Params,
     cache: KVCache,
     logits: jax.Array,
@@ -99,13 +97,12 @@ def append_chunk(
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [T]
     real = offsets[None, :] < lengths[:, None]  # [B, T]
     positions = jnp.where(real, cache.next_positions()[:, None] + offsets, -1)
-    out, cache = forward_fn(params, tokens, positions, cache)  # [B, T, V]
-    last = jnp.take_along_axis(out, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return cache, jnp.where((lengths > 0)[:, None], last.astype(jnp.float32), logits)
+    last, cache = step_fn(params, tokens, positions, cache, jnp.maximum(lengths - 1, 0))  # [B, V]
+    return cache, jnp.where((lengths > 0)[:, None], last, logits)
 
 
 def decode(
-    forward_fn: ForwardFn,
+    step_fn: StepFn,
     config: SamplingConfig,
     params: Params,
     cache: KVCache,
@@ -131,7 +128,7 @@ def decode(
         s = sample(jax.random.fold_in(rng, c.step), c.logits, config)
         tok = jnp.where(c.active, s.tokens, config.pad_id)  # [B]
         positions = jnp.where(c.active, c.next_positions, -1)
-        out, cache = forward_fn(params, tok[:, None], positions[:, None], c.cache)
+        out, cache = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
         count = c.count + c.active
         at_eot = c.active & jnp.isin(tok, eot_ids)
         at_limit = c.active & (count >= limit)
@@ -141,7 +138,7 @@ def decode(
         return _DecodeCarry(
             step=c.step + 1,
             cache=cache,
-            logits=jnp.where(c.active[:, None], out[:, 0].astype(jnp.float32), c.logits),
+            logits=jnp.where(c.active[:, None], out, c.logits),
             active=c.active & ~at_eot & ~at_limit,
             next_positions=c.next_positions + c.active,
             count=count,
@@ -227,8 +224,9 @@ class Sampler:
         state, overflow = sampler.append(params, state, observations, live)
         state, turn = sampler.generate(params, state, rng2)    # history is not recomputed
 
-    `forward_fn(params, tokens, positions, cache) -> (logits, cache)` is the decoder with its
-    config bound; `init_cache_fn(batch, max_len)` makes an empty cache. Batch sizes, chunk lengths
+    `step_fn` runs the model on new tokens and returns one position's logits per row (see
+    `sampling.step`: `decoder_step` or `from_forward(forward_fn)` for any model with the
+    decoder's `forward` signature); `init_cache_fn(batch, max_len)` makes an empty cache. Batch sizes, chunk lengths
     and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
@@ -237,7 +235,7 @@ class Sampler:
 
     def __init__(
         self,
-        forward_fn: ForwardFn,
+        step_fn: StepFn,
         init_cache_fn: InitCacheFn,
         config: SamplingConfig,
         *,
@@ -263,19 +261,19 @@ class Sampler:
         )
         if self.cache_buckets[-1] != max_cache_len:
             raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
-        self._forward = forward_fn
+        self._step = step_fn
         self._vocab_size: int | None = None
         jit = functools.partial(_jit, shardings)
         self._init_cache = jit(init_cache_fn, ("static", "static"), "cache", static_argnums=(0, 1))
         # The cache and logits are donated: each call updates them in place.
         self._append = jit(
-            functools.partial(append_chunk, forward_fn),
+            functools.partial(append_chunk, step_fn),
             ("params", "cache", "batch", "batch", "batch"),
             ("cache", "batch"),
             donate_argnums=(1, 2),
         )
         self._decode = jit(
-            functools.partial(decode, forward_fn, config),
+            functools.partial(decode, step_fn, config),
             ("params", "cache", "batch", "batch", "batch", "replicated"),
             ("cache", "batch", "batch", ("batch",) * 5),
             donate_argnums=(1, 2),
@@ -296,20 +294,18 @@ class Sampler:
         **buckets_kw,
     ) -> Sampler:
         """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype)."""
-        forward_fn = functools.partial(
-            decoder.forward, config=model_config, dtype=dtype,
-            activation_sharding=shardings.batch if shardings else None,
-        )
+        step_fn = decoder_step(model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None)
         init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
         return cls(
-            forward_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings, **buckets_kw
+            step_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings, **buckets_kw
         )
 
     def _vocab(self, params: Params, cache: KVCache) -> int:
         """The model's vocabulary size, read once from the shape of its output (no compilation)."""
         if self._vocab_size is None:
             token = jax.ShapeDtypeStruct((cache.positions.shape[0], 1), jnp.int32)
-            self._vocab_size = jax.eval_shape(self._forward, params, token, token, cache)[0].shape[-1]
+            last = jax.ShapeDtypeStruct((cache.positions.shape[0],), jnp.int32)
+            self._vocab_size = jax.eval_shape(self._step, params, token, token, cache, last)[0].shape[-1]
         return self._vocab_size
 
     def _cache_bucket(self, length: int) -> int:
