@@ -12,6 +12,7 @@ ENVIRONMENTS: dict[str, str] = {
     "babyai": "environments.babyai.env:BabyAIEnv",
     "maze": "environments.maze.env:MazeEnv",
     "wordle": "environments.wordle.env:WordleEnv",
+    "room": "environments.room.env:RoomEnv",
     "sciworld": "environments.sciworld.env:SciWorldEnv",
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, parse_thought_action
@@ -27,12 +28,12 @@ MIN_DISTANCE, MAX_DISTANCE = 4, 30  # shortest-path length of a task, so the lim
 _MOVE_RE = re.compile(r"^(?:move\s+|go\s+)?(up|down|left|right)$")
 _ACTIONS_TEXT = ", ".join(f'"{a}"' for a in MOVES)
 
-INSTRUCTION = f"""\
+INSTRUCTION_TEMPLATE = f"""\
 You are an expert maze solver. You stand in a grid maze and must reach the goal in as few moves \
 as possible. Positions are written "x, y": x is the row and y is the column, so "move down" adds \
 1 to x and "move right" adds 1 to y. After every move you are told where the goal is, where you \
 are, and which sides of your square are walls; moving into a wall leaves you where you are. You \
-have {MAX_STEPS} moves. The possible actions are {_ACTIONS_TEXT}.
+have {{max_steps}} moves. The possible actions are {_ACTIONS_TEXT}.
 
 Answer every turn in this format:
 Thought:
@@ -40,6 +41,7 @@ Thought:
 
 Action:
 <one action>"""
+INSTRUCTION = INSTRUCTION_TEMPLATE.format(max_steps=MAX_STEPS)
 
 
 def task(task_id: int) -> tuple[int, Position, Position]:
@@ -74,6 +76,7 @@ class MazeEnv(Environment):
     instruction = INSTRUCTION
     success_threshold = 1.0
     route_prefixes = ("/maze",)  # AgentGym's LMRL-Gym server serves the maze under /maze
+    max_steps: ClassVar[int] = MAX_STEPS
 
     def __init__(self) -> None:
         self.layout: layouts.Layout = ()
@@ -104,9 +107,14 @@ class MazeEnv(Environment):
         match = _MOVE_RE.match(action.lower().strip(" .!\"'`*"))
         return f"move {match.group(1)}" if match else action
 
-    def reset(self, data_idx: int) -> str:
+    @classmethod
+    def task_setup(cls, data_idx: int) -> tuple[layouts.Layout, Position, Position]:
+        """Task id -> (layout, start, goal); subclasses with other task sets override it."""
         layout_idx, start, goal = task(data_idx)
-        return self.start(layouts.maze_layout(layout_idx), start, goal)
+        return layouts.maze_layout(layout_idx), start, goal
+
+    def reset(self, data_idx: int) -> str:
+        return self.start(*self.task_setup(data_idx))
 
     def start(self, layout: layouts.Layout, start: Position, goal: Position) -> str:
         """Starts an episode on any layout (task ids use the generated ones); first observation."""
@@ -133,7 +141,7 @@ class MazeEnv(Environment):
             if layouts.is_open(self.layout, target):
                 self.position = target
         solved = self.verify()
-        out_of_moves = self.steps >= MAX_STEPS and not solved
+        out_of_moves = self.steps >= self.max_steps and not solved
         if solved:
             self._observation = "Success"
         elif move is None:
@@ -141,7 +149,7 @@ class MazeEnv(Environment):
         else:
             self._observation = self._describe()
         if out_of_moves:
-            self._observation += f" You have used all {MAX_STEPS} moves."
+            self._observation += f" You have used all {self.max_steps} moves."
         return self.result(self._observation, 1.0 if solved else 0.0, solved or out_of_moves,
                            invalid=move is None, steps=self.steps)
 

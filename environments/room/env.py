@@ -1,0 +1,77 @@
+"""Room: reach the goal in a small room with a few obstacles, in the Maze's wording and actions.
+
+The Maze holds out whole layouts, so solving a test task needs exploration a tiny model cannot
+learn in minutes. Rooms are open enough that reading the goal and your position (and the walls
+beside you) is most of the skill, which is what makes the CPU quickstart's learning visible:
+`NUM_LAYOUTS` seeded rooms, `TASKS_PER_LAYOUT` start/goal pairs on each; every fourth task id
+is held out for the test split (same rooms, unseen start/goal pairs).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from agentgym_jax.envs.protocol import TaskInfo
+from environments.maze import layouts
+from environments.maze.env import INSTRUCTION_TEMPLATE, MazeEnv
+from environments.maze.layouts import Layout, Position
+
+NUM_LAYOUTS = 4
+TASKS_PER_LAYOUT = 100
+NUM_TASKS = NUM_LAYOUTS * TASKS_PER_LAYOUT
+SIZE = 6  # open cells per side
+OBSTACLES = 3
+MAX_STEPS = 12
+MIN_DISTANCE, MAX_DISTANCE = 2, 7
+
+
+@functools.lru_cache(maxsize=None)
+def room_layout(index: int) -> Layout:
+    """A SIZE x SIZE room inside walls with OBSTACLES wall cells, every open cell connected."""
+    rng = random.Random(5_000 + index)
+    while True:
+        grid = [["#"] * (SIZE + 2)] + [["#"] + ["."] * SIZE + ["#"] for _ in range(SIZE)] + [["#"] * (SIZE + 2)]
+        for x, y in rng.sample([(x, y) for x in range(1, SIZE + 1) for y in range(1, SIZE + 1)], OBSTACLES):
+            grid[x][y] = "#"
+        layout = tuple("".join(row) for row in grid)
+        cells = layouts.open_cells(layout)
+        if len(layouts.distances_to(layout, cells[0])) == len(cells):
+            return layout
+
+
+def room_task(task_id: int) -> tuple[Layout, Position, Position]:
+    """Task id -> (layout, start, goal), the same in every process."""
+    layout = room_layout(task_id // TASKS_PER_LAYOUT)
+    rng = random.Random(104_729 * task_id + 3)
+    cells = layouts.open_cells(layout)
+    while True:
+        goal = rng.choice(cells)
+        starts = [c for c, d in sorted(layouts.distances_to(layout, goal).items()) if MIN_DISTANCE <= d <= MAX_DISTANCE]
+        if starts:
+            return layout, rng.choice(starts), goal
+
+
+class RoomEnv(MazeEnv):
+    """One room episode; everything but the task set and the move budget is the Maze's."""
+
+    name = "room"
+    instruction = INSTRUCTION_TEMPLATE.format(max_steps=MAX_STEPS)
+    route_prefixes = ()
+    max_steps = MAX_STEPS
+
+    @classmethod
+    def task_info(cls) -> TaskInfo:
+        ids = range(NUM_TASKS)
+        return TaskInfo(
+            env=cls.name,
+            instruction=cls.instruction,
+            success_threshold=cls.success_threshold,
+            splits={"train": [i for i in ids if i % 4], "test": [i for i in ids if i % 4 == 0]},
+            num_tasks=NUM_TASKS,
+            metadata={"layout": [i // TASKS_PER_LAYOUT for i in ids], "max_steps": MAX_STEPS},
+        )
+
+    @classmethod
+    def task_setup(cls, data_idx: int) -> tuple[Layout, Position, Position]:
+        return room_task(data_idx)
