@@ -1,0 +1,48 @@
+"""Behaviour cloning on trajectories: the same token batches and masks as RL, NLL loss.
+
+Used as the warm start before RL (on oracle demonstrations) and by AgentEvol. All batches share
+one padded shape, so the jitted step compiles once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tqdm
+
+from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.train.state import TrainState
+from agentgym_jax.train.steps import UpdateConfig, sft_update_jit
+
+
+def sft_train(
+    state: TrainState,
+    trajectories: Sequence[Trajectory],
+    config: UpdateConfig,
+    *,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    pad_id: int = 0,
+    progress: bool = True,
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update."""
+    if not trajectories:
+        raise ValueError("SFT needs at least one trajectory")
+    seq_len = bucket(max(len(t.token_ids) for t in trajectories))
+    rng = np.random.default_rng(seed)
+    history = []
+    num_batches = -(-len(trajectories) // batch_size)
+    with tqdm.tqdm(total=epochs * num_batches, desc="sft", disable=not progress) as bar:
+        for _ in range(epochs):
+            order = rng.permutation(len(trajectories))
+            for start in range(0, len(order), batch_size):
+                rows = [trajectories[i] for i in order[start : start + batch_size]]
+                batch = make_token_batch(rows, seq_len=seq_len, batch_size=batch_size, pad_id=pad_id)
+                state, metrics = sft_update_jit(state, batch, config)
+                history.append({k: float(v) for k, v in metrics.items()})
+                bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")
+                bar.update()
+    return state, history
