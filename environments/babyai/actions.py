@@ -4,7 +4,9 @@ Vocabulary (AgentGym's, plus the plain `pick up` and `toggle` primitives):
   turn left | turn right | move forward | pick up | drop | toggle | check available actions
   go to <color> <type> <n> | pick up <color> <type> <n>
   go through <color> door <n> | toggle and go through <color> door <n>
-Targets are the labels of objects in view (`view.Scene`); `<n>` may be left out for 1. Paths are
+Targets are the labels of objects in view (`view.Scene`); `<n>` may be left out for 1. AgentGym's
+spellings also work: `pickup ...`, and a door's state before `door` ("go through red open door 1";
+the state word is not used to pick the door, whose current state decides). Paths are
 searched over the agent's known grid. An action that cannot run now compiles to an `Invalid`
 with the reason, which the environment shows as the observation.
 """
@@ -28,7 +30,8 @@ PRIMITIVES: dict[str, Actions] = {
     "toggle": Actions.toggle,
 }
 VERBS = ("go to", "pick up", "go through", "toggle and go through")
-_TARGETED = re.compile(r"^(go to|pick up|go through|toggle and go through) (?:the )?(\w+) (\w+)(?: (\d+))?$")
+_TARGETED = re.compile(r"^(go to|pick up|go through|toggle and go through) (?:the )?(\w+) "
+                       r"(?:open |closed |locked )?(\w+)(?: (\d+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +40,9 @@ class Invalid:
 
 
 def normalize(action: str) -> str:
-    """Lower case, single spaces, no surrounding quotes or final period."""
-    return " ".join(action.lower().split()).strip(" .!\"'`*")
+    """Lower case, single spaces, no surrounding quotes or final period; AgentGym's `pickup` -> `pick up`."""
+    action = " ".join(action.lower().split()).strip(" .!\"'`*")
+    return re.sub(r"^pickup\b", "pick up", action)
 
 
 def _front_check(scene: Scene, action: Actions) -> Invalid | None:

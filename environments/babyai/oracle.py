@@ -9,9 +9,10 @@ Three cases the bot cannot handle alone (its docstring lists the first two) get 
 privileged knowledge of the grid; each script runs, then a fresh bot takes over:
 - a fresh bot assumes empty hands (PutNext*Carrying starts carrying the object to move): drop it;
 - a key hidden in a box (KeyInBox): open that box first;
-- the bot's planning loops forever in some UnlockToUnlock layouts (it keeps returning to a locked
-  door whose key it has not seen; its subgoal stack grows without bound): a bounded stack turns
-  the loop into an error, and the script fetches a reachable key and unlocks its door.
+- in some UnlockToUnlock layouts the bot never gets past a locked door whose key it has not seen:
+  either its replanning loops forever (its subgoal stack grows without bound; a bounded stack turns
+  that into an error) or it turns left and right on the spot for ever. Either way the script
+  fetches a reachable key and unlocks its door.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from environments.babyai.paths import DIR_VECS, PathTree
 from environments.babyai.view import steppable
 
 MAX_STACK = 64  # the bot's deepest honest plan is ~20 subgoals; a loop passes this in microseconds
+MAX_TURNS_IN_PLACE = 6  # a 180-degree turn takes 2; more than 6 turns in a row make no progress
 Step = int | tuple[str, tuple[int, int]]  # a primitive, or ("face", cell): walk to face the cell
 
 
@@ -49,6 +51,7 @@ class Oracle:
         self.bot: BabyAIBot | None = None
         self.script: deque[Step] = deque()
         self.pending: int | None = None  # the suggestion not yet executed
+        self.turns_in_place = 0  # consecutive executed turns
 
     def next_action(self) -> int:
         """The primitive to execute next (the same one until something is executed)."""
@@ -60,6 +63,8 @@ class Oracle:
         """The episode executed `executed`; keeps the plan only if that was the suggestion."""
         if not executed:
             return  # invalid actions and `check available actions` leave the world as it was
+        turning = all(a in (Actions.left, Actions.right) for a in executed)
+        self.turns_in_place = self.turns_in_place + len(executed) if turning else 0
         if executed != [self.pending]:
             self.bot = None
             self.script.clear()
@@ -77,6 +82,10 @@ class Oracle:
                     continue
                 self.script.extendleft(reversed(path))
                 continue
+            if self.bot is not None and self.turns_in_place > MAX_TURNS_IN_PLACE:
+                self.bot, self.turns_in_place = None, 0
+                self.script.extend(self._unlock_script())
+                continue
             if self.bot is None:
                 self.script.extend(self._fresh_start_script())
                 if self.script:
@@ -92,9 +101,12 @@ class Oracle:
 
     # --- scripts on privileged knowledge of the grid ---
 
-    def _paths(self) -> PathTree:
+    def _paths(self, cleared: tuple[int, int] | None = None) -> PathTree:
+        """Paths over the whole grid, with the object at `cleared` (if any) taken away."""
         grid = self.engine.grid
         passable = np.array([[steppable(grid.get(x, y)) for y in range(grid.height)] for x in range(grid.width)])
+        if cleared is not None:
+            passable[cleared] = True
         x, y = self.engine.agent_pos
         return PathTree((int(x), int(y), int(self.engine.agent_dir)), passable)
 
@@ -136,7 +148,7 @@ class Oracle:
         for key_pos, key in self._objects("key"):
             door_pos = locked.get(key.color)
             to_key = paths.face(key_pos)
-            if door_pos is None or to_key is None or paths.face(door_pos) is None:
+            if door_pos is None or to_key is None or self._paths(cleared=key_pos).face(door_pos) is None:
                 continue
             if best is None or len(to_key) < best[0]:
                 best = (len(to_key), key_pos, door_pos)
