@@ -64,6 +64,18 @@ def test_plots_are_valid_pngs(summary, tmp_path):
         assert image[..., :3].std() > 0.01  # something was drawn
 
 
+def test_an_environment_with_only_infra_errors(tmp_path):
+    records = [rec("babyai", t, S.INFRA_ERROR, turns=0) for t in range(3)] + [rec("maze", 0, S.SUCCESS, 2)]
+    summary = acc.summarize(records, {"babyai": 1.0, "maze": 1.0}, num_samples=1)
+    paths = report.write_report(summary, str(tmp_path))
+    data = json.loads(open(paths[report.JSON_NAME]).read())["per_env"]["babyai"]
+    assert data["conditional_success"] == {"numerator": 0, "denominator": 0, "value": None, "low": None, "high": None}
+    assert data["success"]["value"] == 0.0 and data["infra_rate"]["value"] == 1.0 and data["mean_turns"] is None
+    row = next(line for line in open(paths[report.MARKDOWN_NAME]) if line.startswith("| babyai |"))
+    assert row.split(" | ")[3] == "—"  # conditional success over no scored episode is not 0
+    assert all(os.path.getsize(paths[name]) > 1000 for name in (report.BARS_NAME, report.TURNS_NAME))
+
+
 def test_success_within_turns(summary):
     maze = [e for e in summary.episodes if e.env == "maze"]
     ts, shares = report.success_within_turns(maze)
