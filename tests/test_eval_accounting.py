@@ -151,6 +151,14 @@ def test_thresholds_scales_and_scored_only_statistics():
     assert summary.overall.scheduled == 5 and summary.overall.success.numerator == 2
     assert summary.overall.mean_score is None  # 0-100 and 0-1 scores are not averaged
     assert list(summary.per_env) == ["sciworld", "textcraft"]
+    assert sw.status_mismatches == 0 and tc.status_mismatches == 0
+
+
+def test_status_and_reward_disagreements_are_counted():
+    records = [rec(0, S.SUCCESS, reward=0.5), rec(1, S.FAILURE, reward=1.0), rec(2, S.INFRA_ERROR, reward=1.0)]
+    m = acc.summarize(records, {"textcraft": 1.0}, num_samples=1).per_env["textcraft"]
+    assert m.success.numerator == 1  # the threshold decides: task 1's reward reached it
+    assert m.status_mismatches == 2  # tasks 0 and 1; the unscored infra error is no mismatch
 
 
 def test_records_from_trajectories():

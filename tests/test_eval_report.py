@@ -51,6 +51,9 @@ def test_json_and_markdown_content(summary, tmp_path):
     overall_row = next(line for line in lines if line.startswith("| overall |"))
     assert "(7/12)" in overall_row and "| — |" in overall_row  # no mean score across scales
     assert "Paired comparison" in markdown and "4/0/6" in markdown
+    assert "Warning" not in markdown
+    wrong = acc.summarize([rec("maze", 0, S.FAILURE, 3, reward=1.0)], {"maze": 1.0}, num_samples=1)
+    assert "**Warning:** 1 scored episode(s) have a status that disagrees" in report.markdown_table(wrong)
 
 
 def test_plots_are_valid_pngs(summary, tmp_path):

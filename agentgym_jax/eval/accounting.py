@@ -69,6 +69,7 @@ class Episode:
     record: EpisodeRecord | None
     success: bool
     retries: int  # records of this (task, sample) besides the one that counts
+    status_mismatch: bool = False  # scored, and status `success` disagrees with the threshold rule
 
     @property
     def status(self) -> str:
@@ -115,6 +116,7 @@ class Metrics:
     mean_turns: float | None  # over scored episodes
     status_counts: dict[str, int]  # every EpisodeStatus value plus `missing`, zeros included
     retries: int
+    status_mismatches: int  # scored episodes whose status and reward disagree (an engine bug)
 
 
 def wilson_interval(successes: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:
@@ -195,7 +197,12 @@ def counted_episodes(
                     and record.reward >= thresholds[env]
                 )
                 retries = max(len(attempts) - 1, 0)
-                episodes.append(Episode(env, task, sample, record, success, retries))
+                mismatch = (
+                    record is not None
+                    and record.status.is_scored
+                    and (record.status == EpisodeStatus.SUCCESS) != success
+                )
+                episodes.append(Episode(env, task, sample, record, success, retries, mismatch))
     return episodes
 
 
@@ -244,6 +251,7 @@ def compute_metrics(
         mean_turns=turns / len(scored) if scored else None,
         status_counts=status_counts,
         retries=sum(e.retries for e in episodes),
+        status_mismatches=sum(e.status_mismatch for e in episodes),
     )
 
 

@@ -63,6 +63,12 @@ def markdown_table(summary: EvalSummary) -> str:
         "as failures (denominator: scheduled = tasks x samples). Conditional success is over scored "
         "episodes only. Intervals: Wilson 95%. Mean score: end-to-end, on the environment's own scale."
     )
+    mismatches = summary.overall.status_mismatches
+    if mismatches:
+        notes += (
+            f"\n\n**Warning:** {mismatches} scored episode(s) have a status that disagrees with the "
+            "success threshold (success is decided by the threshold)."
+        )
     return "\n".join(lines) + "\n\n" + notes + "\n"
 
 
