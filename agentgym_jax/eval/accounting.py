@@ -191,17 +191,10 @@ def counted_episodes(
             for sample in range(num_samples):
                 attempts = by_key.get((env, task, sample), {})
                 record = attempts[max(attempts)] if attempts else None
-                success = (
-                    record is not None
-                    and record.status.is_scored
-                    and record.reward >= thresholds[env]
-                )
+                scored = record is not None and record.status.is_scored
+                success = scored and record.reward >= thresholds[env]
+                mismatch = scored and (record.status == EpisodeStatus.SUCCESS) != success
                 retries = max(len(attempts) - 1, 0)
-                mismatch = (
-                    record is not None
-                    and record.status.is_scored
-                    and (record.status == EpisodeStatus.SUCCESS) != success
-                )
                 episodes.append(Episode(env, task, sample, record, success, retries, mismatch))
     return episodes
 
