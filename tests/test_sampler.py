@@ -239,7 +239,7 @@ def test_continuation_equals_one_full_forward():
     """Three turns with environment chunks of different lengths give the logits of one full pass."""
     params = toy_params(3)
     config = SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(5,))
-    sampler = toy_sampler(config)
+    sampler = toy_sampler(config, cache_buckets=(32, 64, 128, 256))  # grows 32 -> 64 -> 128 on the way
     prompts = [[1, 2, 3], [4, 6, 7, 8, 9, 10, 11], [12], [13, 14]]
     history = [list(p) for p in prompts]
     state = sampler.prefill(params, prompts)
@@ -256,6 +256,7 @@ def test_continuation_equals_one_full_forward():
         for row in range(4):
             history[row] += observations[turn_index][row] if live[turn_index][row] else []
     assert turn.count[2] == 0 and turn.stop[2] == StopReason.NOT_LIVE
+    assert state.cache.max_len == 128
     assert len({len(h) for h in history}) == 4, history  # rows really are at different positions
     for row in (0, 1, 3):
         expected = numpy_toy_logits(params, history[row])[-1]
@@ -321,11 +322,14 @@ def test_greedy_equals_transformers_generate(qwen2):
     ids = np.zeros((3, width), np.int64)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = prompt
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's spinning thread pool crawls on a loaded 2-core machine
     with torch.no_grad():
         out = hf_model.generate(
             input_ids=torch.tensor(ids), attention_mask=torch.tensor(ids != 0, dtype=torch.long),
             max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=2,
         )
+    torch.set_num_threads(threads)
     want = out[:, width:].numpy()
     want = np.pad(want, ((0, 0), (0, 32 - want.shape[1])))  # rows that stopped on eos
     greedy = SamplingConfig(max_new_tokens=32, temperature=0.0, eot_ids=(2,))
