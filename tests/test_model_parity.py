@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -15,6 +14,9 @@ from agentgym_jax.models.decoder import forward, init_cache
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 
 FAMILIES = sorted(tiny_hf.FAMILIES)
+SEQ = 20  # every full pass is [3, SEQ] and every cached chunk [3, CHUNK]: one compile each per family
+CHUNK = 8
+jit_forward = jax.jit(forward, static_argnames=("config",))
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +46,15 @@ def right_padded(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def test_padded_batch_logits_match_transformers(models, family):
     hf_model, config, params = models[family]
     rng = np.random.default_rng(0)
-    lengths = np.array([20, 11, 4])
-    tokens = rng.integers(3, config.vocab_size, (3, 20)).astype(np.int32)
-    tokens[np.arange(20)[None] >= lengths[:, None]] = 0
+    lengths = np.array([SEQ, 11, 4])
+    tokens = rng.integers(3, config.vocab_size, (3, SEQ)).astype(np.int32)
+    tokens[np.arange(SEQ)[None] >= lengths[:, None]] = 0
     want = tiny_hf.logits(hf_model, tokens, lengths)
-    got, cache = jax.jit(functools.partial(forward, config=config))(params, tokens, right_padded(tokens, lengths))
+    got, cache = jit_forward(params, tokens, right_padded(tokens, lengths), config=config)
     assert cache is None
     got = np.asarray(got)
     assert got.dtype == np.float32 and np.isfinite(got).all()  # padded queries too
-    valid = np.arange(20)[None] < lengths[:, None]
+    valid = np.arange(SEQ)[None] < lengths[:, None]
     assert rel_error(got[valid], want[valid]) <= 1e-4
 
 
@@ -63,28 +65,26 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family):
     turn_lengths = np.array([[5, 3, 4], [2, 6, 1], [7, 1, 3]])  # [row, turn]
     totals = turn_lengths.sum(1)
     rng = np.random.default_rng(1)
-    tokens = rng.integers(3, config.vocab_size, (3, totals.max())).astype(np.int32)
+    tokens = rng.integers(3, config.vocab_size, (3, SEQ)).astype(np.int32)
 
-    step = jax.jit(functools.partial(forward, config=config))
-    cache = init_cache(config, batch=3, max_len=32)
-    got = np.zeros((3, totals.max(), config.vocab_size), np.float32)
+    cache = init_cache(config, batch=3, max_len=3 * CHUNK)
+    got = np.zeros((3, SEQ, config.vocab_size), np.float32)
     offsets = np.zeros(3, int)
     for turn in range(3):
-        width = turn_lengths[:, turn].max()
-        chunk = np.zeros((3, width), np.int32)
-        positions = np.full((3, width), -1, np.int32)
+        chunk = np.zeros((3, CHUNK), np.int32)
+        positions = np.full((3, CHUNK), -1, np.int32)
         for row, n in enumerate(turn_lengths[:, turn]):
             chunk[row, :n] = tokens[row, offsets[row] : offsets[row] + n]
             positions[row, :n] = np.arange(offsets[row], offsets[row] + n)
-        logits, cache = step(params, chunk, positions, cache)
+        logits, cache = jit_forward(params, chunk, positions, cache, config=config)
         for row, n in enumerate(turn_lengths[:, turn]):
             got[row, offsets[row] : offsets[row] + n] = np.asarray(logits[row, :n])
         offsets += turn_lengths[:, turn]
 
-    assert int(cache.index) == turn_lengths.max(0).sum()
+    assert int(cache.index) == 3 * CHUNK
     np.testing.assert_array_equal(np.asarray(cache.next_positions()), totals)
-    valid = np.arange(totals.max())[None] < totals[:, None]
-    full, _ = step(params, tokens, right_padded(tokens, totals))
+    valid = np.arange(SEQ)[None] < totals[:, None]
+    full, _ = jit_forward(params, tokens, right_padded(tokens, totals), config=config)
     assert rel_error(got[valid], np.asarray(full)[valid]) <= 1e-5
     want = tiny_hf.logits(hf_model, np.where(valid, tokens, 0), totals)
     assert rel_error(got[valid], want[valid]) <= 1e-4

@@ -105,7 +105,7 @@ def test_partition_rules_shard_heads_and_replicate_what_does_not_divide():
 
 
 def test_loading_straight_into_shardings(tmp_path):
-    config = ModelConfig.small("llama")
+    config = CONFIG
     params = init_params(config, jax.random.key(2))
     save_pretrained(params, config, tmp_path, max_shard_bytes=50_000)  # several files + index
     mesh = make_mesh(2, 2, 2)
@@ -120,11 +120,10 @@ def test_loading_straight_into_shardings(tmp_path):
 
 
 def test_sharded_init_and_sharded_cache_continuation():
-    config = ModelConfig.small("qwen3")
+    config = CONFIG
     mesh = make_mesh(2, 2, 2)
-    init = functools.partial(init_params, config)
-    params = sharded_init(init, jax.random.key(3), mesh)
-    jax.tree.map(np.testing.assert_array_equal, params, jax.jit(init)(jax.random.key(3)))
+    params = sharded_init(functools.partial(init_params, config), jax.random.key(3), mesh)
+    jax.tree.map(np.testing.assert_array_equal, params, init_params(config, jax.random.key(3)))
     assert params["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
 
     tokens, positions, _ = batch(config)
@@ -136,7 +135,7 @@ def test_sharded_init_and_sharded_cache_continuation():
         step, in_shardings=(param_shardings(params, mesh), batch_sharding(mesh), batch_sharding(mesh), c_shard),
         out_shardings=(batch_sharding(mesh), c_shard),
     )
-    want, _ = jax.jit(step)(params, tokens, positions)
+    want, _ = jax.jit(step)(jax.device_get(params), tokens, positions)
     cache = jax.device_put(cache, c_shard)
     first, cache = sharded_step(params, tokens[:, :5], positions[:, :5], cache)
     second, cache = sharded_step(params, tokens[:, 5:10], positions[:, 5:10], cache)

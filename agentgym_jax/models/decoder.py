@@ -19,6 +19,7 @@ compute `dtype`; norms, softmax and logits are computed in float32.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -209,10 +210,15 @@ class Decoder(nn.Module):
         return logits, hidden, new_cache
 
 
+@functools.partial(jax.jit, static_argnames=("config", "param_dtype", "value_head"))
 def init_params(
     config: ModelConfig, rng: jax.Array, *, param_dtype: jnp.dtype = jnp.float32, value_head: bool = False
 ) -> Params:
-    """Random parameters (normal(0.02) matrices, unit norms, zero biases) as a plain pytree."""
+    """Random parameters (normal(0.02) matrices, unit norms, zero biases) as a plain pytree.
+
+    Jitted (one compile per config, not one per operation); under `jax.jit(..., out_shardings=...)`
+    each device only creates its own shards (`parallel.partition.sharded_init`).
+    """
     decoder_rng, head_rng = jax.random.split(rng)
     tokens = jnp.zeros((1, 1), jnp.int32)
     variables = Decoder(config, param_dtype=param_dtype).init(decoder_rng, tokens, tokens, None)
