@@ -1,0 +1,373 @@
+"""The rollout engine and oracle demonstrations against real Maze servers on 127.0.0.1.
+
+A tiny random decoder (`ModelConfig.small`) with a tokenizer built in a tmp dir samples the
+turns; one sampler (fixed buckets, so it compiles once) is shared by every test. The golden test
+records what the sampler produced and what the server returned, stores the trajectories as JSONL,
+reloads them and checks them token for token. Success and failure need a policy that plays well
+or badly on purpose: a scripted sampler emits the oracle's actions (or a useless shuffle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.models import build_tokenizer as bt
+from agentgym_jax.models import decoder
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout import demonstrations
+from agentgym_jax.rollout.batch import make_token_batch
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
+from agentgym_jax.rollout.trajectory import read_jsonl, write_jsonl
+from agentgym_jax.sampling.config import SamplingConfig
+from agentgym_jax.sampling.sampler import Sampler, StopReason, TurnOutput
+from environments.maze import env as maze
+from tests.servers import start_server
+
+S = EpisodeStatus
+MAX_NEW = 8  # per-turn token limit of the shared sampler
+
+
+@pytest.fixture(scope="module")
+def framing(tmp_path_factory) -> ChatFraming:
+    folder = bt.build_tokenizer(tmp_path_factory.mktemp("tok"), [maze.INSTRUCTION], vocab_size=1024)
+    return ChatFraming(load_tokenizer(folder))
+
+
+@pytest.fixture(scope="module")
+def model(framing):
+    """A random `ModelConfig.small` decoder: weights drawn on the host from the shapes `init_params`
+    gives (N(0, 0.02) matrices, unit norms), which skips compiling the Flax init."""
+    config = ModelConfig.small(vocab_size=len(framing.tokenizer))
+    shapes = jax.eval_shape(lambda key: decoder.init_params(config, key), jax.random.key(0))
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+        if "norm" in jax.tree_util.keystr(path):
+            return np.ones(leaf.shape, leaf.dtype)
+        return (0.02 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+
+    return config, jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def sampler(framing, model) -> Sampler:
+    """One sampler for every test, with fixed buckets so that it compiles once: 4 rows, the
+    prompt (~200 ids) in the 256 chunk bucket, observations in the 128 one, one cache bucket."""
+    config = RolloutConfig(max_tokens_per_turn=MAX_NEW).sampling_config(framing)
+    return Sampler.for_decoder(
+        model[0], config, max_cache_len=2048, batch_buckets=(4,), chunk_buckets=(128, 256), cache_buckets=(2048,)
+    )
+
+
+@pytest.fixture(scope="module")
+def maze_url():
+    with start_server("maze") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def task_info():
+    return maze.MazeEnv.task_info()
+
+
+class RecordingSampler:
+    """The real sampler, plus every turn it produced and which rows took part."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler, self.config = sampler, sampler.config
+        self.turns: list[tuple[np.ndarray, TurnOutput]] = []
+
+    def prefill(self, params, prompts):
+        return self.sampler.prefill(params, prompts)
+
+    def append(self, params, state, chunks, live=None):
+        return self.sampler.append(params, state, chunks, live)
+
+    def generate(self, params, state, rng, limit=None):
+        live = np.asarray(state.live)[: state.num_rows].copy()
+        state, turn = self.sampler.generate(params, state, rng, limit)
+        self.turns.append((live, turn))
+        return state, turn
+
+
+class RecordingPool(EnvPool):
+    """A real pool that keeps every observation the server returned, per slot."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.observations: dict[int, list[str]] = {}
+        self.rewards: dict[int, list[float]] = {}
+
+    async def reset(self, slot, data_idx):
+        result = await super().reset(slot, data_idx)
+        self.observations[slot], self.rewards[slot] = [result.observation], []
+        return result
+
+    async def step(self, slot, action):
+        result = await super().step(slot, action)
+        self.observations[slot].append(result.observation)
+        self.rewards[slot].append(result.reward)
+        return result
+
+
+def policy_spans(trajectory):
+    return [trajectory.token_ids[s:e] for s, e in trajectory.turn_spans]
+
+
+def test_golden_trajectories_are_token_exact(framing, model, sampler, maze_url, task_info, tmp_path):
+    tokenizer, eot = framing.tokenizer, framing.end_of_turn_ids
+    recorder, pool = RecordingSampler(sampler), RecordingPool(maze_url)
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
+    with RolloutEngine(recorder, framing, pool, task_info, config) as engine:
+        produced = engine.run(model[1], [3, 7], 3, jax.random.key(1), policy_version=11, group_offset=5)
+    path = tmp_path / "rollout.jsonl"
+    write_jsonl(str(path), produced, append=False)
+    trajectories = list(read_jsonl(str(path)))
+
+    assert [(t.task_id, t.group_id, t.sample_idx) for t in trajectories] == [(3, 5, 0), (3, 5, 1), (7, 6, 0), (7, 6, 1)]
+    assert all(t.policy_version == 11 and t.env == "maze" for t in trajectories)
+    batch = make_token_batch(trajectories)
+    for row, t in enumerate(trajectories):
+        assert t.status == S.MAX_TURNS and t.num_turns == 3  # a random model never reaches the goal in 3 moves
+        # Policy spans: exactly the sampler's tokens and log-probs for this row, turn by turn.
+        sampled = [(turn.tokens[row, : turn.count[row]], turn.logprobs[row, : turn.count[row]])
+                   for live, turn in recorder.turns if live[row]]  # fmt: skip
+        assert [list(ids) for ids, _ in sampled] == policy_spans(t)
+        for (s, e), (_, logprobs) in zip(t.turn_spans, sampled):
+            np.testing.assert_array_equal(np.asarray(t.logprobs[s:e], np.float32), logprobs)
+        # The prompt: the chat template's own rendering of instruction + first observation.
+        observations = pool.observations[row]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": task_info.instruction + "\n\n" + observations[0]}],
+            tokenize=True, return_dict=False, add_generation_prompt=True,
+        )
+        assert t.token_ids[: len(prompt)] == list(prompt)
+        assert t.turn_spans[0][0] == len(prompt)
+        # Environment spans: the continuation ids of the observations the server returned; the last
+        # observation is not appended, so the sequence ends with the last policy token.
+        for k in range(t.num_turns - 1):
+            closed = t.token_ids[t.turn_spans[k][1] - 1] in eot
+            expected = (() if closed else eot) + framing.continuation_ids(observations[k + 1]).ids
+            assert t.token_ids[t.turn_spans[k][1] : t.turn_spans[k + 1][0]] == list(expected)
+        assert len(observations) == t.num_turns + 1 and t.turn_spans[-1][1] == len(t.token_ids)
+        # loss_mask is 1 exactly on the policy spans; log-probs are 0 elsewhere.
+        in_spans = np.zeros(len(t.token_ids), int)
+        for s, e in t.turn_spans:
+            in_spans[s:e] = 1
+        assert t.loss_mask == list(in_spans)
+        assert not np.any(np.asarray(t.logprobs)[in_spans == 0])
+        # Rewards: the server's step rewards; the outcome sits on the last policy token.
+        assert t.turn_rewards == pool.rewards[row] and t.reward == sum(pool.rewards[row])
+        last = t.turn_spans[-1][1] - 1
+        assert np.flatnonzero(np.asarray(batch.loss_mask[row])).max() == last
+        expected_rewards = np.zeros(batch.shape[1], np.float32)
+        expected_rewards[last] = t.reward
+        np.testing.assert_array_equal(np.asarray(batch.token_rewards[row]), expected_rewards)
+        # Decoding: the stored text is the decoding of the ids, pieces in order.
+        assert t.text == tokenizer.decode(t.token_ids)
+        assert t.text.startswith(tokenizer.decode(prompt))
+        position = 0
+        for observation in observations[1:-1]:
+            position = t.text.index(observation, position) + len(observation)
+        assert t.timings["sample_s"] > 0 and t.timings["env_s"] > 0
+    stats = engine.last_stats
+    assert stats.turns == 12 and stats.sampler_busy_s + stats.sampler_wait_s <= stats.wall_s
+
+
+def test_horizon_is_respected(framing, model, sampler, maze_url, task_info):
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
+    with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+        for horizon in (1, 2):
+            trajectories = engine.run(model[1], [0, 1], horizon, jax.random.key(horizon), policy_version=0)
+            assert [t.status for t in trajectories] == [S.MAX_TURNS] * 4
+            assert [t.num_turns for t in trajectories] == [horizon] * 4
+        with pytest.raises(ValueError, match="horizon"):
+            engine.run(model[1], [0, 1], 0, jax.random.key(0), policy_version=0)
+
+
+def test_token_budget(framing, model, sampler, maze_url, task_info):
+    # 20 tokens: the first turn fits (<= 8 ids) but no observation (~60 ids) after it does.
+    for budget in (5, 20):
+        config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, max_response_length=budget)
+        with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+            trajectories = engine.run(model[1], [0, 1], 5, jax.random.key(2), policy_version=0)
+        for t in trajectories:
+            assert t.status == S.TOKEN_BUDGET and t.num_turns == 1
+            prompt_len = t.turn_spans[0][0]
+            assert len(t.token_ids) - prompt_len <= budget and t.turn_spans[-1][1] == len(t.token_ids)
+            # A turn cut by the budget (5) is not sent; one that ended itself or was cut by the
+            # per-turn limit is sent, and then its observation does not fit.
+            ended_itself = t.token_ids[-1] in framing.end_of_turn_ids
+            cut_by_budget = not ended_itself and budget < MAX_NEW
+            assert len(t.turn_rewards) == (0 if cut_by_budget else 1)
+            assert ended_itself or len(t.token_ids) - prompt_len == min(budget, MAX_NEW)
+
+
+def test_invalid_action_limit(framing, model, sampler, maze_url, task_info):
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, invalid_action_limit=2)
+    with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+        trajectories = engine.run(model[1], [0, 1], 6, jax.random.key(3), policy_version=0)
+    for t in trajectories:  # a random model's text is never a maze move
+        assert t.status == S.INVALID_ACTION_LIMIT and t.num_turns == 2 and t.invalid_actions == 2
+
+
+class KillingPool(EnvPool):
+    """Kills the server once every slot's first step has been answered."""
+
+    def __init__(self, servers: LocalServers, num_slots: int, **kwargs):
+        super().__init__(servers.urls["maze"], **kwargs)
+        self.servers, self.num_slots, self.answered = servers, num_slots, 0
+
+    async def step(self, slot, action):
+        result = await super().step(slot, action)
+        self.answered += 1
+        if self.answered == self.num_slots:
+            self.servers.servers[0].process.kill()
+            self.servers.servers[0].process.wait()
+        return result
+
+
+def test_killed_server_ends_episodes_with_infra_error(framing, model, sampler, task_info):
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
+    with LocalServers(["maze"]) as servers:
+        pool = KillingPool(servers, 4, max_retries=1, backoff_s=0.01)
+        with RolloutEngine(sampler, framing, pool, task_info, config) as engine:
+            trajectories = engine.run(model[1], [0, 1], 5, jax.random.key(4), policy_version=0)
+    for t in trajectories:
+        assert t.status == S.INFRA_ERROR and t.num_turns == 2  # the second step found no server
+        assert sum(t.loss_mask) == sum(e - s for s, e in t.turn_spans) > 0
+
+
+# ---- success and failure: a scripted policy ---------------------------------------------------
+
+
+def oracle_moves(task_id: int) -> list[str]:
+    """The maze oracle's moves for a task, played in-process (independent of the server)."""
+    env = maze.MazeEnv()
+    env.reset(task_id)
+    moves = []
+    while not env.verify():
+        moves.append(env.oracle_action())
+        env.step(moves[-1])
+    return moves
+
+
+@dataclasses.dataclass
+class ScriptedState:
+    live: np.ndarray
+    num_rows: int
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+class ScriptedSampler:
+    """Emits `Action: <move>` as token ids (content + end-of-turn), row by row from a script."""
+
+    def __init__(self, framing: ChatFraming, scripts: list[list[str]]):
+        self.framing, self.scripts = framing, scripts
+        self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids)
+        self.turn = [0] * len(scripts)
+
+    def prefill(self, params, prompts):
+        return ScriptedState(np.ones(len(prompts), bool), len(prompts))
+
+    def append(self, params, state, chunks, live=None):
+        return state, np.zeros(state.num_rows, bool)
+
+    def generate(self, params, state, rng, limit=None):
+        rows, width = state.num_rows, self.config.max_new_tokens
+        tokens, count = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+        stop = np.full(rows, StopReason.NOT_LIVE, np.int32)
+        for row in np.flatnonzero(state.live):
+            move = self.scripts[row][self.turn[row] % len(self.scripts[row])]
+            ids = self.framing.assistant_ids(f"Action: {move}").ids
+            tokens[row, : len(ids)], count[row], stop[row] = ids, len(ids), StopReason.END_OF_TURN
+            self.turn[row] += 1
+        logprobs = np.where(np.arange(width) < count[:, None], -0.5, 0.0).astype(np.float32)
+        return state, TurnOutput(tokens, count, logprobs, None, stop)
+
+
+def test_success_and_failure_with_a_scripted_policy(framing, maze_url, task_info):
+    solve = oracle_moves(12)
+    shuffle = ["move left", "move right"]  # stays within two squares; every goal is >= 4 moves away
+    scripted = ScriptedSampler(framing, [solve, solve, shuffle, shuffle])
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=16, max_response_length=100_000)
+    with RolloutEngine(scripted, framing, EnvPool(maze_url), task_info, config) as engine:
+        trajectories = engine.run(None, [12, 40], 100, jax.random.key(5), policy_version=0)
+    batch = make_token_batch(trajectories)
+    for row, t in enumerate(trajectories[:2]):
+        assert t.status == S.SUCCESS and t.num_turns == len(solve) and t.reward == 1.0
+        assert t.turn_rewards == [0.0] * (len(solve) - 1) + [1.0]
+        assert float(batch.token_rewards[row].sum()) == 1.0
+        assert float(batch.token_rewards[row, t.turn_spans[-1][1] - 1]) == 1.0
+    for t in trajectories[2:]:
+        assert t.status == S.FAILURE and t.num_turns == maze.MAX_STEPS and t.reward == 0.0
+
+
+# ---- demonstrations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action_format", [demonstrations.ACTION_ONLY, demonstrations.THOUGHT_ACTION])
+def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, action_format):
+    tokenizer = framing.tokenizer
+    task_ids = [12, 40, 260]
+    demos = demonstrations.collect_demonstrations(maze_url, framing, task_ids, action_format=action_format)
+    for task_id, t in zip(task_ids, demos):
+        moves = oracle_moves(task_id)
+        assert t.status == S.SUCCESS and t.reward == 1.0 and t.num_turns == len(moves)
+        # The framed transcript, rendered by the chat template itself from the replayed episode.
+        env = maze.MazeEnv()
+        messages = [{"role": "user", "content": f"{task_info.instruction}\n\n{env.reset(task_id)}"}]
+        for k, move in enumerate(moves):
+            if k:
+                messages.append({"role": "user", "content": env.observation()})
+            messages.append({"role": "assistant", "content": action_format.format(action=move)})
+            env.step(move)
+        reference = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        after = list(framing.after_end_of_turn_ids)  # the template's "\n" after the last turn
+        assert t.token_ids + after == list(reference)
+        assert t.text == tokenizer.decode(t.token_ids)
+        # loss_mask: 1 exactly on each assistant content + end-of-turn; log-probs all 0.
+        spans = [tokenizer.decode(t.token_ids[s:e]) for s, e in t.turn_spans]
+        assert spans == [action_format.format(action=m) + "<|im_end|>" for m in moves]
+        assert sum(t.loss_mask) == sum(e - s for s, e in t.turn_spans)
+        assert all(t.loss_mask[i] for s, e in t.turn_spans for i in range(s, e))
+        assert not any(t.logprobs)
+
+
+def test_agentgym_prompt_style_masks_the_acknowledgement(framing, maze_url, task_info):
+    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", max_turns=2)
+    assert t.status == S.MAX_TURNS and t.num_turns == 2
+    prompt = framing.tokenizer.decode(t.token_ids[: t.turn_spans[0][0]])
+    assert prompt.startswith("<|im_start|>user\n" + task_info.instruction + "<|im_end|>\n<|im_start|>assistant\nOk.<|im_end|>")
+    assert not any(t.loss_mask[: t.turn_spans[0][0]])
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_config_and_sampler_are_refused(framing, sampler, task_info):
+    with pytest.raises(ValueError, match="group_size"):
+        RolloutConfig(group_size=0)
+    with pytest.raises(ValueError, match="invalid_action_limit"):
+        RolloutConfig(invalid_action_limit=-1)
+    with pytest.raises(ValueError, match="'chat'"):
+        RolloutConfig(prompt_style="chat")
+    pool = EnvPool("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="end-of-turn"):
+        bad = Sampler(lambda *a: None, lambda *a: None, SamplingConfig(max_new_tokens=8), max_cache_len=128)
+        RolloutEngine(bad, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=8))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW + 1))
+    with pytest.raises(ValueError, match="action_format"):
+        demonstrations.collect_demonstrations("http://127.0.0.1:1", framing, [0], action_format="Action:")
