@@ -1,8 +1,8 @@
 """What the agent sees, as text and as named objects that actions can refer to.
 
 Objects in view are named `<color> <type> <n>` ("red ball 1"), numbered per name from the nearest
-(Manhattan distance, then fewer steps forward, then further left), the way AgentGym's BabyAI
-server names them. Positions are relative to the agent: steps forward and steps left/right.
+(Manhattan distance, then fewer steps forward, then further left), as AgentGym's BabyAI server
+numbers them by distance. Positions are relative to the agent: steps forward and steps left/right.
 The agent's known grid is every cell it has seen this episode (`seen`, `[width, height]`); the
 world changes only through the agent's own actions, so those cells' current contents are known.
 """
