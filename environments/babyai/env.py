@@ -11,7 +11,8 @@ return, in [0, 1]: > 0 exactly when the mission was completed (>= 0.1 up to roun
 engine_steps <= max_steps), so `success_threshold = 0.05` separates success from failure.
 
 Episode end: the mission is completed, or the level's engine step limit (`max_steps`, counted in
-primitive steps) runs out. Like AgentGym, an engine "failure" verdict (strict *Debug levels, e.g.
+primitive steps) runs out. (AgentGym stores `max_episode_steps=50` but never applies it, and
+ignores minigrid's truncation; its turn limit is the client's round cap, as ours is.) Like AgentGym, an engine "failure" verdict (strict *Debug levels, e.g.
 opening doors in the wrong order) does not end the episode: the agent may still complete the
 mission. This also keeps OpenDoorsOrderN4Debug's two-door missions solvable: minigrid re-checks
 the toggle that completes the first clause against the second, strict, clause and calls it a
