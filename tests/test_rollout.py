@@ -9,6 +9,8 @@ or badly on purpose: a scripted sampler emits the oracle's actions (or a useless
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 
 import jax
@@ -312,6 +314,46 @@ def test_success_and_failure_with_a_scripted_policy(framing, maze_url, task_info
         assert float(batch.token_rewards[row, t.turn_spans[-1][1] - 1]) == 1.0
     for t in trajectories[2:]:
         assert t.status == S.FAILURE and t.num_turns == maze.MAX_STEPS and t.reward == 0.0
+
+
+class SlowSlotPool(EnvPool):
+    """A real pool whose slot 0 answers each step `delay_s` late (a slow environment)."""
+
+    delay_s = 0.5
+
+    async def step(self, slot, action):
+        if slot == 0:
+            await asyncio.sleep(self.delay_s)
+        return await super().step(slot, action)
+
+
+class CallRecordingSampler(ScriptedSampler):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls: list[tuple[int, ...]] = []  # the rows of each generate call
+
+    def generate(self, params, state, rng, limit=None):
+        self.calls.append(tuple(int(row) for row in np.flatnonzero(state.live)))
+        return super().generate(params, state, rng, limit)
+
+
+@pytest.mark.parametrize("straggler_wait_s", [0.02, None])
+def test_fast_episodes_do_not_wait_for_a_slow_one(framing, maze_url, task_info, straggler_wait_s):
+    scripted = CallRecordingSampler(framing, [["move left", "move right"]] * 4)
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=16, straggler_wait_s=straggler_wait_s)
+    with RolloutEngine(scripted, framing, SlowSlotPool(maze_url), task_info, config) as engine:
+        trajectories = engine.run(None, [40, 41], 4, jax.random.key(6), policy_version=0)
+    stats = engine.last_stats
+    assert [t.status for t in trajectories] == [S.MAX_TURNS] * 4
+    if straggler_wait_s is None:  # lock-step: every call waits for the slow slot
+        assert scripted.calls == [(0, 1, 2, 3)] * 4
+        assert stats.sampler_wait_s >= 3 * SlowSlotPool.delay_s
+    else:  # rows 1-3 play their 4 turns while slot 0 waits on its first step
+        back = next(i for i, rows in enumerate(scripted.calls) if i and 0 in rows)
+        assert scripted.calls[0] == (0, 1, 2, 3) and scripted.calls[back:] == [(0,)] * 3
+        others = collections.Counter(row for rows in scripted.calls[1:back] for row in rows)
+        assert others == {1: 3, 2: 3, 3: 3}
+        assert max(trajectories[k].timings["env_s"] for k in (1, 2, 3)) < SlowSlotPool.delay_s
 
 
 # ---- demonstrations ---------------------------------------------------------------------------

@@ -224,6 +224,7 @@ class RolloutEngine:
         if self._pool_opened:
             self._loop.run_until_complete(self.pool.close())
             self._pool_opened = False
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())  # the sampler's thread
         self._loop.close()
         self._loop = None
 
