@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import tiny_hf
 import torch
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache, attention_mask
 from agentgym_jax.models.hf_checkpoint import load_pretrained
+from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason
@@ -337,15 +338,14 @@ def test_greedy_equals_transformers_generate(qwen2):
     _, turn = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))
     np.testing.assert_array_equal(turn.tokens, want)
 
-    # The same on a ("data", "fsdp", "tensor") = 4x1x2 mesh: rows over data, kv heads over tensor.
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 1, 2), ("data", "fsdp", "tensor"))
+    # The same on a ("data", "fsdp", "tensor") = 4x1x2 mesh: params by the partition rules (heads
+    # and MLP over tensor), rows over data, key/value heads over tensor.
+    mesh = make_mesh(data=4, fsdp=1, tensor=2)
+    shardings = SamplerShardings.for_mesh(mesh, params, config)
     kv = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
-    shardings = SamplerShardings(
-        params=NamedSharding(mesh, P()),
-        batch=NamedSharding(mesh, P(("data", "fsdp"))),
-        cache=KVCache(kv, kv, NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P())),
-    )
+    assert shardings.cache.k.is_equivalent_to(kv, 5)
     sharded = Sampler.for_decoder(config, greedy, max_cache_len=128, shardings=shardings)
+    params = jax.device_put(params, shardings.params)
     assert sharded.batch_buckets[0] == 4
     state, turn = sharded.generate(params, sharded.prefill(params, prompts), jax.random.key(0))
     np.testing.assert_array_equal(turn.tokens, want)

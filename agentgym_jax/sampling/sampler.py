@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,8 @@ import numpy as np
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.parallel import partition
+from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.filters import sample
@@ -193,7 +196,7 @@ def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any
 
 @dataclasses.dataclass(frozen=True)
 class SamplerShardings:
-    """Where the jitted sampler functions keep their arrays (build them with `parallel.partition`).
+    """Where the jitted sampler functions keep their arrays (`for_mesh` builds the usual layout).
 
     Rows (tokens, logits, live flags, outputs) are split by `batch`; `cache` is a `KVCache` of
     shardings (rows over the batch axes, key/value heads over `tensor`: independent of the cache
@@ -203,6 +206,18 @@ class SamplerShardings:
     params: Any  # a pytree of shardings matching the params, or one sharding for all
     batch: jax.sharding.NamedSharding  # leading (row) dim, e.g. P(("data", "fsdp"))
     cache: KVCache  # of shardings
+
+    @classmethod
+    def for_mesh(cls, mesh: jax.sharding.Mesh, params: Params, model_config: ModelConfig) -> SamplerShardings:
+        """The project's layout (`parallel.partition`): params by the partition rules, rows over
+        ("data", "fsdp"), key/value heads over "tensor" where they divide."""
+        rows = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+        cache = jax.eval_shape(functools.partial(decoder.init_cache, model_config, rows, 1))
+        return cls(
+            params=partition.param_shardings(params, mesh),
+            batch=partition.batch_sharding(mesh),
+            cache=partition.cache_shardings(cache, mesh),
+        )
 
     @property
     def row_shards(self) -> int:
