@@ -80,6 +80,14 @@ class Environment(abc.ABC):
     def oracle_action(self) -> str:
         """The oracle's next action from the current state; following it solves the task."""
 
+    @classmethod
+    def on_server_start(cls) -> None:
+        """Called once when a server for this class starts (e.g. to warm engine processes); must not block."""
+
+    @classmethod
+    def on_server_stop(cls) -> None:
+        """Called once when that server shuts down, after every session is closed."""
+
     def score(self) -> float:
         """The episode score on the environment's own scale (0-1 unless overridden)."""
         return 1.0 if self.verify() else 0.0

@@ -131,9 +131,14 @@ class EnvServer:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any) -> T:
-        """Runs an environment call; an exception marks the session broken and becomes a 500."""
+        """Runs an environment call; an exception marks the session broken and becomes a 500.
+
+        A `ProtocolError` the environment raises is a refusal (its 4xx), not a failure.
+        """
         try:
             return await self._call(fn, *args)
+        except ProtocolError:
+            raise  # the environment refused this request (a 4xx); the episode is intact
         except Exception as e:
             session.broken = True
             log.exception("%s session %d failed", self.env_cls.name, session.id)
@@ -315,10 +320,12 @@ def make_app(
         app.router.add_routes([web.route(method, prefix + path, handler) for method, path, handler in routes])
 
     async def lifetime(app: web.Application):
+        env_cls.on_server_start()
         reaper = asyncio.create_task(reap_forever(table, server.close_session))
         yield
         reaper.cancel()
         await server.close_all()
+        env_cls.on_server_stop()
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
 
