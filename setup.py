@@ -26,6 +26,8 @@ ENVS = [
     "minigrid",  # BabyAI levels and BabyAIBot
     "english-words",  # Wordle word list
     "scienceworld",  # ScienceWorld simulator (a JVM engine via py4j; needs a Java runtime)
+    "textworld",  # TextWorld game generator (Inform 7 compiler bundled) and Jericho z-machine player
+    "textarena",  # TextArena single-player games
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0"]
 
