@@ -1,0 +1,1 @@
+"""TextArena single-player games behind one adapter environment."""
