@@ -14,6 +14,7 @@ ENVIRONMENTS: dict[str, str] = {
     "wordle": "environments.wordle.env:WordleEnv",
     "room": "environments.room.env:RoomEnv",
     "sciworld": "environments.sciworld.env:SciWorldEnv",
+    "textarena": "environments.textarena.env:TextArenaEnv",
 }
 
 
