@@ -15,6 +15,7 @@ ENVIRONMENTS: dict[str, str] = {
     "room": "environments.room.env:RoomEnv",
     "sciworld": "environments.sciworld.env:SciWorldEnv",
     "textarena": "environments.textarena.env:TextArenaEnv",
+    "textworld": "environments.textworld.env:TextWorldEnv",
 }
 
 
