@@ -99,7 +99,7 @@ def test_partition_rules_shard_heads_and_replicate_what_does_not_divide():
     assert attn["q_proj"]["bias"] == (None, "tensor", None)
     assert attn["o_proj"]["kernel"] == (None, "tensor", None, "fsdp")
     assert mlp["gate_proj"]["kernel"] == (None, "fsdp", "tensor") and mlp["down_proj"]["kernel"] == (None, "tensor", "fsdp")
-    assert specs["embed"]["embedding"] == (None, "fsdp")  # vocab 250 is not divisible by 4
+    assert specs["embed"]["embedding"] == (None, None)  # vocab 250 is not divisible by 2 * 4
     assert specs["lm_head"] == ("fsdp", None)
     assert specs["final_norm"]["scale"] == (None,)
 
@@ -117,6 +117,7 @@ def test_loading_straight_into_shardings(tmp_path):
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index])
     q = loaded["layers"]["attn"]["q_proj"]["kernel"]
     assert q.addressable_shards[0].data.shape == (2, 32, 2, 16)  # [L, hidden/fsdp, heads/tensor, head_dim]
+    assert loaded["embed"]["embedding"].addressable_shards[0].data.shape == (64, 64)  # vocab over fsdp * tensor
 
 
 def test_sharded_init_and_sharded_cache_continuation():

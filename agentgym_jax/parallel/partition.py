@@ -23,7 +23,9 @@ Rules = Sequence[tuple[str, P]]
 
 # First match wins; paths look like "layers/attn/q_proj/kernel" (a leading [layers] axis on layers/*).
 DEFAULT_RULES: Rules = (
-    (r"embed/embedding$", P("tensor", "fsdp")),  # [vocab, hidden]
+    # [vocab, hidden]: vocab-parallel over both axes. Sharding hidden instead makes the lookup's
+    # output sharded on hidden, which XLA can only turn into batch sharding by a full regather.
+    (r"embed/embedding$", P(("fsdp", "tensor"), None)),
     (r"lm_head$", P("fsdp", "tensor")),  # [hidden, vocab]
     (r"attn/(q|k|v)_proj/kernel$", P(None, "fsdp", "tensor", None)),  # [L, hidden, heads, head_dim]
     (r"attn/(q|k|v)_proj/bias$", P(None, "tensor", None)),  # [L, heads, head_dim]
