@@ -4,8 +4,8 @@ The game engines are TextArena's own (`textarena.envs.*`), built from its regist
 without its LLM-facing wrappers. The model answers `Thought: ... Action: <move>`; the parser
 keeps the first bracketed move (`[4 1 2 3]`) or brackets a bare one (`up` -> `[up]`), which is
 the format every TextArena game reads. The game judges the move: one it rejects is an invalid
-action (reward 0; TextArena's "one mistake then you lose" allowance is lifted, so ending an
-episode over invalid moves is the rollout's invalid-action limit, as for every environment).
+action (reward 0, no turn used). TextArena's own rule stays: a second rejected move in a row
+ends the game as a loss (Minesweeper counts stepping on a mine as a rejected move).
 
 Reward 1 on the move that wins (TextArena's outcome reward 1), else 0; `info["textarena_reward"]`
 keeps TextArena's own end reward (its partial-completion score). Episodes end when the game
@@ -35,7 +35,6 @@ from environments.textarena import games
 
 MAX_STEPS = 200  # above every served game's own turn limit (Sudoku's 100), counting invalid moves
 TEST_EVERY = 5  # seeds divisible by this form the test split of each game
-NO_LOSS_ALLOWANCE = 10**9  # TextArena's per-game allowance of consecutive invalid moves
 
 _BRACKETED = re.compile(r"\[[^\[\]]*\]")
 
@@ -128,7 +127,6 @@ class TextArenaEnv(Environment):
         self._rng_state = random.Random(seed).getstate()
         with self._own_random():
             self.engine.reset(num_players=1, seed=seed)
-        self.engine.state.error_allowance = NO_LOSS_ALLOWANCE
         self._observation = self._new_messages()
         return self._observation
 
@@ -144,7 +142,8 @@ class TextArenaEnv(Environment):
         with self._own_random():
             self.engine.step(action)
         self.steps += 1
-        invalid = state.turn == turn  # TextArena counts a turn only for a move it accepted
+        # TextArena counts a turn only for a move it accepted, or flags the rejection that lost.
+        invalid = state.turn == turn or bool(state.done and state.game_info[0].get("invalid_move"))
         observation = self._new_messages()
         if state.done:
             observation += f"\n\nGame over: {state.game_info[0].get('reason', '')}".rstrip()
