@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 
 from agentgym_jax.models.config import ModelConfig, load_config
 from agentgym_jax.models.decoder import Params, init_params
+from agentgym_jax.parallel.partition import path_str
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,10 +96,6 @@ def _layouts(config: ModelConfig) -> dict[str, _Layout]:
         table[f"layers/attn/{proj}_proj/kernel"] = (name + "weight", ((heads, hd), (d,)), (2, 0, 1))
         table[f"layers/attn/{proj}_proj/bias"] = (name + "bias", ((heads, hd),), (0, 1))
     return {path: _Layout(*spec) for path, spec in table.items()}
-
-
-def _path(key_path) -> str:
-    return "/".join(str(k.key) for k in key_path)
 
 
 def param_shapes(config: ModelConfig, dtype: jnp.dtype = jnp.float32) -> Params:
@@ -223,12 +220,12 @@ def load_pretrained(
     config = config or load_config(folder)
     check_tokenizer(folder, config)
     shapes = param_shapes(config, dtype)
-    flat_shapes = {_path(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    flat_shapes = {path_str(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shapes)[0]}
     if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, shapes)
-    flat_shardings = {_path(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    flat_shardings = {path_str(kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
     layouts = _layouts(config)
 
     with contextlib.ExitStack() as stack:
@@ -253,7 +250,7 @@ def load_pretrained(
             return jax.make_array_from_callback(shape.shape, flat_shardings[path], callback)
 
         flat = {path: build(path, shape) for path, shape in flat_shapes.items()}
-    params = jax.tree_util.tree_map_with_path(lambda kp, _: flat[_path(kp)], shapes)
+    params = jax.tree_util.tree_map_with_path(lambda kp, _: flat[path_str(kp)], shapes)
     return config, params
 
 
@@ -272,7 +269,7 @@ def _hf_tensors(params: Params, config: ModelConfig) -> Iterator[tuple[str, _Lay
     """(HF name, layout, our array for that tensor) for every tensor of the export, in file order."""
     layouts = _layouts(config)
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        layout = layouts[_path(key_path)]
+        layout = layouts[path_str(key_path)]
         if layout.stacked:
             for i in range(config.num_layers):
                 yield layout.name.format(layer=i), layout, leaf[i]
