@@ -21,8 +21,10 @@ import json
 import pathlib
 import re
 import threading
+import warnings
 from typing import Any, ClassVar
 
+import jericho
 import textworld
 from textworld.envs.wrappers.tw_inform7 import TWInform7
 from textworld.envs.zmachine.jericho import JerichoEnv
@@ -61,6 +63,10 @@ def _knowledge_base(logic: str, text_grammars_path: str) -> KnowledgeBase:
     """TextWorld's rules for a theme; parsing them takes seconds, so once per process per theme."""
     return KnowledgeBase(GameLogic.deserialize(logic), text_grammars_path)
 
+
+# Jericho knows TextWorld's games only as "not fully supported": TextWorld's wrappers track the
+# score and state themselves, so the warning it gives on every load says nothing here.
+warnings.filterwarnings("ignore", category=jericho.UnsupportedGameWarning)
 
 _load_lock = threading.Lock()
 
