@@ -18,6 +18,7 @@ from tests.servers import request_json, start_server
 MIN_ORACLE_EPISODES = 100
 MAX_ORACLE_STEPS = 300  # far above any environment's own episode limit
 NONSENSE = "Thought: I will do something odd.\nAction: xyzzy plugh 42 ???"
+SERVER_START_TIMEOUT_S = 600  # a first start may build an environment's data (TextWorld's games: once per machine)
 
 
 def _require_module(name: str) -> None:
@@ -35,7 +36,7 @@ def _require_module(name: str) -> None:
 def served(request):
     """(name, url, /tasks body) of a server started with PYTHONHASHSEED=1."""
     _require_module(request.param)
-    with start_server(request.param, env_vars={"PYTHONHASHSEED": "1"}) as url:
+    with start_server(request.param, env_vars={"PYTHONHASHSEED": "1"}, timeout_s=SERVER_START_TIMEOUT_S) as url:
         status, tasks = request_json(url, "GET", "/tasks")
         assert status == 200, tasks
         yield request.param, url, tasks
@@ -46,6 +47,9 @@ def oracle_ids(name: str, tasks: dict) -> list[int]:
     if name == "maze":
         return list(range(tasks["num_tasks"]))
     test = tasks["splits"]["test"]
+    if "oracle_task_ids" in tasks["metadata"]:  # only some of its tasks have an oracle (TextArena)
+        with_oracle = set(tasks["metadata"]["oracle_task_ids"])
+        test = [i for i in test if i in with_oracle]
     if len(test) <= MIN_ORACLE_EPISODES:
         return list(test)
     stride = len(test) / MIN_ORACLE_EPISODES
