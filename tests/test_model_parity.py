@@ -16,7 +16,7 @@ from agentgym_jax.models.hf_checkpoint import load_pretrained
 FAMILIES = sorted(tiny_hf.FAMILIES)
 SEQ = 20  # every full pass is [3, SEQ] and every cached chunk [3, CHUNK]: one compile each per family
 CHUNK = 8
-jit_forward = jax.jit(forward, static_argnames=("config",))
+jit_forward = jax.jit(forward, static_argnames=("config", "dtype"))
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,19 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family):
     assert rel_error(got[valid], np.asarray(full)[valid]) <= 1e-5
     want = tiny_hf.logits(hf_model, np.where(valid, tokens, 0), totals)
     assert rel_error(got[valid], want[valid]) <= 1e-4
+
+
+@pytest.mark.parametrize("param_dtype, compute_dtype", [("bfloat16", None), ("float32", "bfloat16")])
+def test_bfloat16_policy_stays_close_and_keeps_float32_logits(models, param_dtype, compute_dtype):
+    """bfloat16 storage (compute follows it) and float32 storage with bfloat16 compute."""
+    hf_model, config, params = models["qwen2"]
+    params = jax.tree.map(lambda x: x.astype(param_dtype), params)
+    tokens = np.random.default_rng(2).integers(3, config.vocab_size, (3, SEQ)).astype(np.int32)
+    lengths = np.full(3, SEQ)
+    got, _ = jit_forward(params, tokens, right_padded(tokens, lengths), config=config, dtype=compute_dtype)
+    assert got.dtype == np.float32
+    error = rel_error(np.asarray(got), tiny_hf.logits(hf_model, tokens, lengths))
+    assert 1e-5 < error <= 3e-2  # really computed in bfloat16 (8 mantissa bits), and still the same model
 
 
 def test_transformers4_and_5_config_forms_agree(models, tmp_path):
