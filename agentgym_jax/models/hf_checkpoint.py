@@ -302,10 +302,12 @@ def save_pretrained(
     config = dataclasses.replace(config, dtype=dtype)
     np_dtype = np.dtype(jnp.dtype(dtype))
     params = {name: p for name, p in params.items() if name != "value_head"}
-    expected = jax.tree.map(lambda s: s.shape, param_shapes(config))
-    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    expected = {path_str(kp): s.shape for kp, s in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
+    got = {path_str(kp): tuple(x.shape) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     if expected != got:
-        raise CheckpointError(f"params do not match the config: expected shapes {expected}, got {got}")
+        diffs = [f"{p}: expected {expected.get(p)}, got {got.get(p)}" for p in sorted(expected.keys() | got.keys())
+                 if expected.get(p) != got.get(p)]
+        raise CheckpointError("params do not match the config: " + "; ".join(diffs))
     if tokenizer_dir is not None:
         check_tokenizer(tokenizer_dir, config)
     writer = jax.process_index() == 0
