@@ -39,6 +39,25 @@ def test_parser_maps_the_action_to_a_bracketed_move(text, move):
     assert TextArenaEnv.parse_action(text) == move
 
 
+@pytest.mark.parametrize("game, move, canonical", [
+    ("GuessTheNumber", "[guess 50]", "[50]"),
+    ("Mastermind", "[code: 4, 1, 2, 3]", "[4 1 2 3]"),
+    ("TowerOfHanoi", "[move A to C]", "[A C]"),
+    ("FrozenLake", "[go Down]", "[Down]"),
+    ("Sudoku", "[row 3 col 4 digit 7]", "[3 4 7]"),
+    ("GuessTheNumber", "[xyzzy]", "[xyzzy]"),  # nothing of the game's: left for the game to reject
+])
+def test_moves_keep_only_the_games_own_words(game, move, canonical):
+    assert next(g for g in games.GAMES if g.name == game).canonical(move) == canonical
+
+
+def test_wordy_moves_are_played():
+    env = TextArenaEnv()
+    env.reset(_task_of("GuessTheNumber", 0))
+    result = env.step(TextArenaEnv.parse_action("Thought: start in the middle.\nAction: guess 10"))
+    assert result.info["invalid_action"] is False and "The target number is" in result.observation
+
+
 def test_mastermind_feedback_matches_hand_counted_pegs():
     assert solvers.mastermind_feedback((1, 2, 3, 4), (1, 3, 2, 5)) == (1, 2)
     assert solvers.mastermind_feedback((1, 1, 2, 2), (2, 2, 1, 1)) == (0, 4)

@@ -3,7 +3,8 @@
 The game engines are TextArena's own (`textarena.envs.*`), built from its registry settings
 without its LLM-facing wrappers. The model answers `Thought: ... Action: <move>`; the parser
 keeps the first bracketed move (`[4 1 2 3]`) or brackets a bare one (`up` -> `[up]`), which is
-the format every TextArena game reads. The game judges the move: one it rejects is an invalid
+the format every TextArena game reads, and `step` keeps only the game's own words in it
+(`[guess 50]` -> `[50]`, `[move A to C]` -> `[A C]`). The game judges the move: one it rejects is an invalid
 action (reward 0, no turn used). TextArena's own rule stays: a second rejected move in a row
 ends the game as a loss (Minesweeper counts stepping on a mine as a rejected move).
 
@@ -140,7 +141,7 @@ class TextArenaEnv(Environment):
         state = self.engine.state
         turn = state.turn
         with self._own_random():
-            self.engine.step(action)
+            self.engine.step(self.game.canonical(action))
         self.steps += 1
         # TextArena counts a turn only for a move it accepted, or flags the rejection that lost.
         invalid = state.turn == turn or bool(state.done and state.game_info[0].get("invalid_move"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from typing import Any, Callable
 
 from environments.textarena import solvers
@@ -24,7 +25,17 @@ class Game:
     name: str
     registry_id: str  # TextArena's `ENV_REGISTRY` key (its settings: board size, turn limit, ...)
     moves: Callable[[Any], list[str]]  # TextArena env -> legal moves now, bracketed
+    token: str  # regex of the words a move is made of (numbers, directions, tower letters)
     oracle: Callable[[Any], str] | None = None  # TextArena env -> the solver's next move, bracketed
+
+    def canonical(self, move: str) -> str:
+        """`[guess 50]` -> `[50]`, `[move A to C]` -> `[A C]`: a bracketed move's own words only.
+
+        A move with none of the game's words is left as it is, for the game to reject.
+        """
+        inner = move[1:-1] if move.startswith("[") and move.endswith("]") else move
+        words = re.findall(self.token, inner, flags=re.IGNORECASE)
+        return "[" + " ".join(words) + "]" if words else move
 
 
 def _guess_the_number_moves(env) -> list[str]:
@@ -95,15 +106,19 @@ def _minesweeper_moves(env) -> list[str]:
     return [f"[{r} {c}]" for r in range(env.rows) for c in range(env.cols) if not env.revealed[r][c]]
 
 
+_NUMBER = r"\d+"
+_DIRECTION = r"\b(?:up|down|left|right)\b"
+_TOWER = r"\b[ABC]\b"
+
 GAMES: tuple[Game, ...] = (
-    Game("GuessTheNumber", "GuessTheNumber-v0", _guess_the_number_moves, _guess_the_number_oracle),
-    Game("Mastermind", "Mastermind-v0", _mastermind_moves, _mastermind_oracle),
-    Game("FrozenLake", "FrozenLake-v0", _directions, _frozen_lake_oracle),
-    Game("TowerOfHanoi", "TowerOfHanoi-v0", _hanoi_moves, _hanoi_oracle),
-    Game("Sudoku", "Sudoku-v0-easy", _sudoku_moves, _sudoku_oracle),
-    Game("LightsOut", "LightsOut-v0", _lights_out_moves, _lights_out_oracle),
-    Game("Minesweeper", "Minesweeper-v0-small", _minesweeper_moves),  # no guess-free solver
-    Game("2048", "2048-v0-ultra-easy", _directions),  # random tile spawns: no exact solver
+    Game("GuessTheNumber", "GuessTheNumber-v0", _guess_the_number_moves, _NUMBER, _guess_the_number_oracle),
+    Game("Mastermind", "Mastermind-v0", _mastermind_moves, _NUMBER, _mastermind_oracle),
+    Game("FrozenLake", "FrozenLake-v0", _directions, _DIRECTION, _frozen_lake_oracle),
+    Game("TowerOfHanoi", "TowerOfHanoi-v0", _hanoi_moves, _TOWER, _hanoi_oracle),
+    Game("Sudoku", "Sudoku-v0-easy", _sudoku_moves, _NUMBER, _sudoku_oracle),
+    Game("LightsOut", "LightsOut-v0", _lights_out_moves, _NUMBER, _lights_out_oracle),
+    Game("Minesweeper", "Minesweeper-v0-small", _minesweeper_moves, _NUMBER),  # no guess-free solver
+    Game("2048", "2048-v0-ultra-easy", _directions, _DIRECTION),  # random tile spawns: no exact solver
 )
 NUM_TASKS = len(GAMES) * TASKS_PER_GAME
 
