@@ -354,18 +354,23 @@ def test_greedy_equals_transformers_generate(qwen2):
         Sampler.for_decoder(config, greedy, max_cache_len=128, shardings=shardings, batch_buckets=(2, 4))
 
 
-def test_decoder_continuation_equals_one_full_forward(qwen2):
+@pytest.fixture(scope="module")
+def turn_sampler(qwen2):
+    """One sampler for the multi-turn tests, so they share its compilations."""
+    config = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    return Sampler.for_decoder(qwen2[1], config, max_cache_len=512)
+
+
+def test_decoder_continuation_equals_one_full_forward(qwen2, turn_sampler):
     """Three sampled turns + environment chunks through the cache == one forward over all tokens."""
     _, config, params = qwen2
-    sampler = Sampler.for_decoder(
-        config, SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(2, 5)), max_cache_len=128
-    )
+    sampler = turn_sampler
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (4, 11, 1)]
     history = [list(p) for p in prompts]
     state = sampler.prefill(params, prompts)
     for turn_index in range(3):
-        state, turn = sampler.generate(params, state, jax.random.key(turn_index))
+        state, turn = sampler.generate(params, state, jax.random.key(turn_index), limit=[8, 3, 5])
         for row in range(3):
             history[row] += turn.tokens[row, : turn.count[row]].tolist()
         if turn_index < 2:
@@ -384,12 +389,10 @@ def test_decoder_continuation_equals_one_full_forward(qwen2):
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
 
-def test_ten_turns_after_warm_up_compile_nothing(qwen2):
+def test_ten_turns_after_warm_up_compile_nothing(qwen2, turn_sampler):
     """Warm-up: one 10-turn rollout. Then a new batch size, prompt and chunk lengths (same buckets)."""
     _, config, params = qwen2
-    sampler = Sampler.for_decoder(
-        config, SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9), max_cache_len=512
-    )
+    sampler = turn_sampler
 
     def rollout(num_rows: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
