@@ -45,6 +45,10 @@ class Environment(abc.ABC):
     # Names of extra zero-argument methods served as `GET /<name>?id=` (AgentGym extras such as
     # Wordle's `filtered_vocab`); the method's JSON-able return value is the whole answer.
     extra_queries: ClassVar[tuple[str, ...]] = ()
+    # The shared test suite's oracle sweep: how many test-split ids it plays and how many at once
+    # (lower both where an episode costs seconds of engine time or a session is a process).
+    oracle_sweep_episodes: ClassVar[int] = 100
+    oracle_sweep_concurrency: ClassVar[int] = 32
 
     @classmethod
     @abc.abstractmethod

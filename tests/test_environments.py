@@ -15,7 +15,6 @@ import pytest
 from environments.registry import ENVIRONMENTS, get_environment
 from tests.servers import request_json, start_server
 
-MIN_ORACLE_EPISODES = 100
 MAX_ORACLE_STEPS = 300  # far above any environment's own episode limit
 NONSENSE = "Thought: I will do something odd.\nAction: xyzzy plugh 42 ???"
 SERVER_START_TIMEOUT_S = 600  # a first start may build an environment's data (TextWorld's games: once per machine)
@@ -43,17 +42,19 @@ def served(request):
 
 
 def oracle_ids(name: str, tasks: dict) -> list[int]:
-    """Every task id for Maze; otherwise >= 100 test ids spread evenly over the test split."""
+    """Every task id for Maze; otherwise the env class's `oracle_sweep_episodes` (100 unless
+    lowered) test ids spread evenly over the test split."""
     if name == "maze":
         return list(range(tasks["num_tasks"]))
     test = tasks["splits"]["test"]
     if "oracle_task_ids" in tasks["metadata"]:  # only some of its tasks have an oracle (TextArena)
         with_oracle = set(tasks["metadata"]["oracle_task_ids"])
         test = [i for i in test if i in with_oracle]
-    if len(test) <= MIN_ORACLE_EPISODES:
+    count = get_environment(name).oracle_sweep_episodes
+    if len(test) <= count:
         return list(test)
-    stride = len(test) / MIN_ORACLE_EPISODES
-    return sorted({test[int(i * stride)] for i in range(MIN_ORACLE_EPISODES)})
+    stride = len(test) / count
+    return sorted({test[int(i * stride)] for i in range(count)})
 
 
 def test_tasks_describe_fixed_splits(served):
@@ -147,8 +148,9 @@ async def _run_oracle(url: str, task_ids: list[int], concurrency: int = 32) -> d
 def test_oracle_solves_the_tasks(served):
     name, url, tasks = served
     task_ids = oracle_ids(name, tasks)
-    assert len(task_ids) >= min(MIN_ORACLE_EPISODES, len(tasks["splits"]["test"]))
-    solved = asyncio.run(_run_oracle(url, task_ids))
+    env_cls = get_environment(name)
+    assert len(task_ids) >= min(env_cls.oracle_sweep_episodes, len(tasks["splits"]["test"]))
+    solved = asyncio.run(_run_oracle(url, task_ids, env_cls.oracle_sweep_concurrency))
     rate = sum(solved.values()) / len(solved)
     failed = [t for t, ok in solved.items() if not ok]
     assert rate >= 0.99, f"{name}: oracle solved {rate:.1%} of {len(solved)} tasks; failed ids {failed[:20]}"

@@ -1,12 +1,16 @@
 """A warm pool of ScienceWorld engines, so that `/create` and the first `/reset` are fast.
 
-A new JVM takes seconds to start and its first task load is slow (class loading, cold JIT).
-The pool keeps `size` started and warmed engines idle, hands one to each new session, and a
-background thread starts replacements one at a time (so warming never competes with itself for
-the CPU). A session's engine goes back to the pool when it closes (a `load` resets the world)
-if the pool has room, else it is shut down. Memory is bounded per engine by the JVM heap cap and
-in total by the number of engines: at most `max_sessions + size` (the server's session cap plus
-the idle ones), each about heap + 80 MB resident.
+A new JVM takes seconds to start and its first loads are slow (class loading, cold JIT: the
+first gold-path load of `boil` takes ~25 s in a fresh engine, ~2 s in a used one). So engines
+are reused: the pool starts `size` warmed engines, hands one to each new session, and takes it
+back when the session closes (a `load` resets the world); clients such as `EnvPool` open a
+session per episode, so the same few hot engines serve episode after episode. When a session
+takes the last idle engine, a background thread starts a replacement (one at a time, so warming
+never competes with itself for the CPU); a session that finds none idle waits for that one or
+starts its own. At most `size` engines stay idle: past that, the one idle longest is shut down.
+Memory is bounded per engine by the JVM heap cap and in total by the number of engines: at most
+`max_sessions + size` (the server's session cap plus the idle ones), each about heap + 80 MB
+resident (330 MB measured at a 256 MB heap).
 
 Configuration (read once per process): `SCIWORLD_POOL_SIZE` (default 2, 0 disables warming) and
 `SCIWORLD_HEAP_MB` (default `simulator.DEFAULT_HEAP_MB`).
@@ -45,6 +49,7 @@ class SimulatorPool:
         self._idle: list[Simulator] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._primed = False  # the first `size` engines have been started
         self._starting = False  # the filler is starting an engine
         self._waiting = 0  # acquirers waiting for that engine
         self._filler: threading.Thread | None = None
@@ -56,10 +61,15 @@ class SimulatorPool:
                 self._filler = threading.Thread(target=self._fill_forever, name="sciworld-pool", daemon=True)
                 self._filler.start()
 
+    def _needs_engine(self) -> bool:
+        if len(self._idle) >= self.size:
+            self._primed = True
+        return not self._idle or (not self._primed and len(self._idle) < self.size)
+
     def _fill_forever(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or len(self._idle) < self.size)
+                self._cond.wait_for(lambda: self._closed or self._needs_engine())
                 if self._closed:
                     return
                 self._starting = True
@@ -72,21 +82,33 @@ class SimulatorPool:
                     self._cond.notify_all()
                     self._cond.wait_for(lambda: self._closed, timeout=10.0)
                 continue
-            added = self._put(simulator)
+            added = self._put(simulator, hot=False)
             with self._cond:
                 self._starting = False
                 self._cond.notify_all()
             if not added:
                 simulator.close()
 
-    def _put(self, simulator: Simulator) -> bool:
-        """Adds an engine to the idle list if there is room; False when the caller must close it."""
+    def _put(self, simulator: Simulator, hot: bool) -> bool:
+        """Adds an engine to the idle list; False when the caller must close it.
+
+        Hot (used) engines go last, where `acquire` takes from; fresh ones first. Past `size`
+        the first one (idle longest, or never used) is shut down.
+        """
         with self._cond:
-            if self._closed or len(self._idle) >= self.size or not simulator.alive():
+            if self._closed or not simulator.alive():
                 return False
-            self._idle.append(simulator)
+            if hot:
+                self._idle.append(simulator)
+            else:
+                self._idle.insert(0, simulator)
+            evicted = self._idle.pop(0) if len(self._idle) > self.size else None
             self._cond.notify_all()
-            return True
+        if evicted is simulator:
+            return False
+        if evicted is not None:
+            evicted.close()
+        return True
 
     def acquire(self) -> Simulator:
         """An idle warm engine; else the one the filler is starting, unless another caller waits
@@ -107,7 +129,7 @@ class SimulatorPool:
 
     def release(self, simulator: Simulator) -> None:
         """Takes an engine back from a closed session: kept if there is room, else shut down."""
-        if not self._put(simulator):
+        if not self._put(simulator, hot=True):
             simulator.close()
 
     def idle(self) -> int:
