@@ -276,18 +276,24 @@ class _Rollout:
 
     async def play(self, episodes: list[_Episode]) -> None:
         self.episodes = episodes
-        await self._reset_and_prefill()
-        while self.ready or self.in_flight:
-            await self._wait_for_observations()
-            rows = sorted(self.ready)
-            self.ready.clear()
-            if rows:  # empty when the last observations all ended their episodes
-                await self._sample_turn(rows)
-        await asyncio.gather(*self.steps)
+        try:
+            await self._reset_and_prefill()
+            while self.ready or self.in_flight:
+                await self._wait_for_observations()
+                rows = sorted(self.ready)
+                self.ready.clear()
+                if rows:  # empty when the last observations all ended their episodes
+                    await self._sample_turn(rows)
+                if self.failure is not None:
+                    raise self.failure
+        finally:
+            for task in self.steps:  # only left over when something raised
+                task.cancel()
 
     async def _reset_and_prefill(self) -> None:
         start = time.monotonic()
-        results = await asyncio.gather(*(self._timed(ep, self.engine.pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
+        pool = self.engine.pool
+        results = await asyncio.gather(*(self._timed(ep, pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
         self.wait_s += time.monotonic() - start
         info, style = self.engine.task_info, self.config.prompt_style
         for ep, result in zip(self.episodes, results):
@@ -300,7 +306,7 @@ class _Rollout:
             return
         pad = [self.sampler.config.pad_id]
         prompts = [ep.transcript.token_ids if ep.transcript else pad for ep in self.episodes]
-        self.state = await self._in_sampler(lambda: self.sampler.prefill(self.params, prompts), ())
+        self.state = await self._in_sampler(lambda: self.sampler.prefill(self.params, prompts), sorted(self.ready))
 
     async def _timed(self, ep: _Episode, request) -> SlotResult:
         start = time.monotonic()
