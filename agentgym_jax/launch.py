@@ -19,6 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 # mode -> module with `run(config)`. Modules are imported on demand: `serve` never loads JAX.
 MODES: dict[str, str] = {
     "serve": "agentgym_jax.envs.launcher",
+    "rl": "agentgym_jax.train.rl_loop",
 }
 
 

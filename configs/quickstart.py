@@ -53,6 +53,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.group_size = 8  # samples per task (AgentGym-RL's rollout.n)
     config.rollout.max_tokens_per_turn = 16  # AgentGym-RL's max_tokens (512 for real models)
     config.rollout.max_response_length = 1536  # policy + environment tokens per episode
+    config.rollout.max_cache_len = 2048  # prompt + response; the sampler grows its cache up to it
     config.rollout.invalid_action_limit = 0  # 0: off
     config.rollout.temperature = 1.0
     config.rollout.top_k = 0
@@ -60,7 +61,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.action_format = "Action: {action}"  # how demonstrations phrase an action
 
     config.horizon = ml_collections.ConfigDict()
-    config.horizon.kind = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on
+    config.horizon.schedule = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on
     config.horizon.rounds = (4, 8, 12)
     config.horizon.steps_per_stage = 10
 

@@ -1,0 +1,213 @@
+"""`mode=rl`: SFT warm start on oracle demonstrations, evaluation, RL with a horizon schedule,
+evaluation again, and a before/after report. Read it top to bottom; it is the whole job.
+
+Resume is exact: a killed run restarted with the same command restores the train state (params,
+optimizer, RNG, skipped-update count), the frozen reference and the loop position from the last
+checkpoint. What each RL step does is a pure function of its index: the tasks (a seeded
+permutation of the training split), the horizon (`rl/horizon.py`) and the sampling key
+(`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run would take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+import time
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
+from agentgym_jax.parallel.distributed import initialize_distributed
+from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.rl.horizon import from_config as horizon_schedule
+from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.demonstrations import demonstration_trajectory
+from agentgym_jax.rollout.engine import RolloutEngine
+from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
+from agentgym_jax.train import build
+from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.train.metrics import MetricsLogger, read_metrics
+from agentgym_jax.train.sft import sft_train
+from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.steps import prepare_jit, rl_update_jit
+
+
+def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
+    """The tasks of RL step `step`: consecutive slices of per-epoch seeded permutations."""
+    ids = np.asarray(sorted(train_ids))
+    start = step * batch_tasks
+    out = []
+    for cursor in range(start, start + batch_tasks):
+        epoch, offset = divmod(cursor, len(ids))
+        out.append(int(ids[np.random.default_rng([seed, epoch]).permutation(len(ids))[offset]]))
+    return out
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Success, reward, turns, invalid actions and status counts of a batch of episodes."""
+    n = max(len(trajectories), 1)
+    metrics = {
+        "success_rate": sum(t.success for t in trajectories) / n,
+        "mean_reward": sum(t.reward for t in trajectories) / n,
+        "turns": sum(t.num_turns for t in trajectories) / n,
+        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(sum(t.num_turns for t in trajectories), 1),
+        "response_tokens": sum(sum(t.loss_mask) for t in trajectories) / n,
+    }
+    metrics.update({f"status/{s.value}": sum(t.status == s for t in trajectories) for s in EpisodeStatus})
+    return metrics
+
+
+def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict[str, float]:
+    """Greedy (or configured) episodes on `task_ids`; success counts every scheduled episode."""
+    trajectories = engine.run(params, task_ids, horizon, jax.random.PRNGKey(seed), policy_version=-1)
+    return rollout_metrics(trajectories)
+
+
+def oracle_corpus_and_demos(config, urls, info: TaskInfo, workdir: pathlib.Path):
+    """Plays oracle episodes of `sft.num_tasks` training tasks; returns (text corpus, episodes)."""
+    train = sorted(info.splits["train"])
+    task_ids = task_batch(train, 0, config.sft.num_tasks, config.seed + 1)
+
+    async def play():
+        async with build.make_pool(config.env, urls) as pool:
+            async def policy(slot, observation):
+                return config.rollout.action_format.format(action=await pool.oracle_action(slot))
+            return await asyncio.gather(*(pool.run_episode(t, policy, 100) for t in task_ids))
+
+    episodes = asyncio.run(play())
+    corpus = [info.instruction] + [
+        text for ep in episodes for text in [ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation))]
+    ]
+    return corpus, episodes
+
+
+def run(config: ml_collections.ConfigDict) -> dict[str, float]:
+    start_time = time.time()
+    initialize_distributed()
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    schedule = horizon_schedule(config.horizon)
+    ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+
+    with contextlib.ExitStack() as stack:
+        urls = stack.enter_context(build.environment_urls(config.env))
+        info = build.fetch_task_info(config.env, urls)
+        resuming = ckpt.latest_step is not None
+        corpus, episodes = (None, None) if resuming else oracle_corpus_and_demos(config, urls, info, workdir)
+        framing = build.tokenizer_and_framing(config, workdir, corpus)
+        model = build.model_config(config, len(framing.tokenizer))
+        update_config = build.update_config(config, model)
+        rng = jax.random.PRNGKey(config.seed)
+        params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
+        state = TrainState.create(params, make_optimizer(_optim(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
+        test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
+        eval_engine = stack.enter_context(build.make_engine(
+            config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+        ))
+        train_engine = stack.enter_context(build.make_engine(config, model, framing, urls, info, build.rollout_config(config)))
+
+        if resuming:
+            (state, ref_params), meta = ckpt.restore((state, params))
+            logging.info("resumed from step %d", meta["rl_step"])
+        else:
+            demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
+            write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
+            sft_tx = make_optimizer(_optim(config.optim, config.train.steps, lr=config.sft.lr))
+            sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
+            sft_state, history = sft_train(
+                sft_state, [d for d in demos if d.success], update_config,
+                batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed,
+            )
+            state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
+            ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+            before = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+            meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0), "eval_before": before,
+                    "sft_final_nll": history[-1]["nll"]}
+            ckpt.save(0, (state, ref_params), meta, force=True)
+
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"])
+        for step in range(meta["rl_step"], config.train.steps):
+            horizon = schedule.horizon(step)
+            tasks = task_batch(info.splits["train"], step, config.rollout.batch_tasks, config.seed)
+            t0 = time.time()
+            trajectories = train_engine.run(
+                state.params, tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
+                policy_version=step, group_offset=0,
+            )
+            rollout_s = time.time() - t0
+            write_jsonl(str(workdir / "trajectories.jsonl"), trajectories)
+            batch = make_token_batch(trajectories, seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64))
+            t1 = time.time()
+            rl_batch, prep_metrics = prepare_jit(state.params, ref_params, batch, update_config)
+            state, update_metrics = rl_update_jit(state, rl_batch, update_config)
+            update_metrics = jax.device_get(update_metrics)
+            update_s = time.time() - t1
+            metrics = {
+                **rollout_metrics(trajectories), **jax.device_get(prep_metrics), **update_metrics,
+                "horizon": horizon, "stage": schedule.stage(step), "rollout_s": rollout_s, "update_s": update_s,
+                "tokens_per_s": float(np.sum(np.asarray(batch.positions) >= 0)) / max(rollout_s + update_s, 1e-9),
+                "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
+            }
+            logger.log(step + 1, metrics)
+            meta = {**meta, "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
+                    "stage": schedule.stage(step + 1)}
+            ckpt.save(step + 1, (state, ref_params), meta, force=step + 1 == config.train.steps)
+        logger.close()
+
+        after = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+    ckpt.close()
+    return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)
+
+
+def _optim(optim: ml_collections.ConfigDict, total_updates: int, lr: float | None = None) -> ml_collections.ConfigDict:
+    out = ml_collections.ConfigDict(optim.to_dict())
+    out.total_updates = total_updates
+    if lr is not None:
+        out.lr = lr
+    return out
+
+
+def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[str, float]:
+    """Prints the before/after table and the summary line; saves report.json and the curve."""
+    rows = ["success_rate", "mean_reward", "turns", "invalid_action_rate"]
+    print(f"\n| metric ({len(test_ids)} held-out {info.env} tasks) | after SFT | after RL |")
+    print("| --- | --- | --- |")
+    for key in rows:
+        print(f"| {key} | {before[key]:.3f} | {after[key]:.3f} |")
+    _plot_learning_curve(workdir)
+    minutes = (time.time() - start_time) / 60
+    summary = {"success_before": before["success_rate"], "success_after": after["success_rate"], "minutes": minutes}
+    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary}, indent=2))
+    print(
+        f"summary: env={info.env} heldout_tasks={len(test_ids)} success_before={before['success_rate']:.3f} "
+        f"success_after={after['success_rate']:.3f} minutes={minutes:.1f}"
+    )
+    return summary
+
+
+def _plot_learning_curve(workdir: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(str(workdir / "metrics.jsonl"))
+    if not records:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["success_rate"] for r in records], label="train success")
+    ax.plot([r["step"] for r in records], [r["horizon"] / max(r["horizon"] for r in records) for r in records],
+            "--", label="horizon (scaled)")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(workdir / "learning_curve.png", dpi=100)
+    plt.close(fig)
