@@ -185,13 +185,19 @@ def test_golden_trajectories_are_token_exact(framing, model, sampler, maze_url, 
     assert stats.turns == 12 and stats.sampler_busy_s + stats.sampler_wait_s <= stats.wall_s
 
 
-def test_horizon_is_respected(framing, model, sampler, maze_url, task_info):
+def test_horizon_is_respected_and_nothing_recompiles(framing, model, sampler, maze_url, task_info):
     config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
+    compilations = []
     with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
-        for horizon in (1, 2):
+        for horizon in (2, 3):  # the first run compiles (if no test before did); the second must not
+            listener = lambda event, seconds, **kw: compilations.append(event)  # noqa: E731
+            if horizon == 3:
+                jax.monitoring.register_event_duration_secs_listener(listener)
             trajectories = engine.run(model[1], [0, 1], horizon, jax.random.key(horizon), policy_version=0)
             assert [t.status for t in trajectories] == [S.MAX_TURNS] * 4
             assert [t.num_turns for t in trajectories] == [horizon] * 4
+        jax.monitoring.unregister_event_duration_listener(listener)
+        assert "/jax/core/compile/backend_compile_duration" not in compilations
         with pytest.raises(ValueError, match="horizon"):
             engine.run(model[1], [0, 1], 0, jax.random.key(0), policy_version=0)
 
@@ -273,10 +279,10 @@ class ScriptedState:
 
 
 class ScriptedSampler:
-    """Emits `Action: <move>` as token ids (content + end-of-turn), row by row from a script."""
+    """Emits `Action: <move>` (or `action_format`) as token ids (content + end-of-turn), row by row."""
 
-    def __init__(self, framing: ChatFraming, scripts: list[list[str]]):
-        self.framing, self.scripts = framing, scripts
+    def __init__(self, framing: ChatFraming, scripts: list[list[str]], action_format: str = "Action: {}"):
+        self.framing, self.scripts, self.action_format = framing, scripts, action_format
         self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids)
         self.turn = [0] * len(scripts)
 
@@ -292,7 +298,7 @@ class ScriptedSampler:
         stop = np.full(rows, StopReason.NOT_LIVE, np.int32)
         for row in np.flatnonzero(state.live):
             move = self.scripts[row][self.turn[row] % len(self.scripts[row])]
-            ids = self.framing.assistant_ids(f"Action: {move}").ids
+            ids = self.framing.assistant_ids(self.action_format.format(move)).ids
             tokens[row, : len(ids)], count[row], stop[row] = ids, len(ids), StopReason.END_OF_TURN
             self.turn[row] += 1
         logprobs = np.where(np.arange(width) < count[:, None], -0.5, 0.0).astype(np.float32)
@@ -354,6 +360,17 @@ def test_fast_episodes_do_not_wait_for_a_slow_one(framing, maze_url, task_info, 
         others = collections.Counter(row for rows in scripted.calls[1:back] for row in rows)
         assert others == {1: 3, 2: 3, 3: 3}
         assert max(trajectories[k].timings["env_s"] for k in (1, 2, 3)) < SlowSlotPool.delay_s
+
+
+def test_env_timeout_passes_through(framing, task_info):
+    # FaultyMazeEnv takes a second over the raw action "sleep"; the pool waits 0.3 s per request.
+    scripted = ScriptedSampler(framing, [["move left", "sleep"]], action_format="{}")
+    config = RolloutConfig(max_tokens_per_turn=16)
+    with start_server("tests.server_test_envs:FaultyMazeEnv") as url:
+        with RolloutEngine(scripted, framing, EnvPool(url, request_timeout_s=0.3), task_info, config) as engine:
+            [t] = engine.run(None, [40], 10, jax.random.key(7), policy_version=0)
+    assert t.status == S.ENV_TIMEOUT and t.num_turns == 2 and t.turn_rewards == [0.0, 0.0]
+    assert t.turn_spans[-1][1] == len(t.token_ids)
 
 
 # ---- demonstrations ---------------------------------------------------------------------------
