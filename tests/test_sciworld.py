@@ -130,6 +130,19 @@ def test_a_failed_task_ends_with_score_zero(simulator):
     assert failed.info["score"] == 0.0 and failed.reward == -opened.reward
 
 
+def test_a_task_id_gives_the_same_text_although_the_engine_reorders_ties(simulator):
+    raw = set()
+    for _ in range(6):
+        simulator.load("boil", 1)  # three wood cups of paint, listed in a random order
+        raw.add(simulator.step("look around"))
+    env = SciWorldEnv(simulator)
+    firsts = {env.reset(task_id("boil", 1)) for _ in range(6)}
+    assert len(raw) > 1 and len(firsts) == 1
+    (first,) = firsts
+    cups = [line for line in first.splitlines() if "wood cup" in line]
+    assert cups == sorted(cups) and len(cups) == 3
+
+
 def test_refused_actions_are_invalid_and_take_no_time(simulator):
     env = SciWorldEnv(simulator)
     env.reset(task_id("find-animal", 225))

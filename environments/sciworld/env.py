@@ -9,8 +9,9 @@ engine says the task is complete, when the task has failed (the engine's score t
 e.g. focusing on the wrong object; the score then counts as 0), or after `STEP_LIMIT` time steps.
 
 Determinism: a task id always loads the same world, but the engine lists objects that share a
-name (e.g. three wood cups of paint) in an order that can change from load to load (measured:
-5 orders in 12 loads of one variation); the text is passed on as the engine prints it.
+name (e.g. three wood cups of paint) in an order that changes from load to load (measured: 5
+orders in 12 loads of one variation). Observations put such runs of same-named lines in sorted
+order (`canonical_order`), so a task id always gives the same text.
 
 Speed: a step is the engine's plain step; the valid-action list (the slow call) is computed
 only for `/available_actions`. Each session owns one engine process from a warm pool (`pool.py`).
@@ -75,9 +76,28 @@ class Turn:
     took_time: bool
 
 
+def _tie_key(line: str) -> str | None:
+    """Indentation plus object name of a listing line such as `\ta wood cup (containing ...)`."""
+    return line.split("(", 1)[0] if "(" in line else None
+
+
+def canonical_order(observation: str) -> str:
+    """Sorts each run of adjacent lines that name the same object (the engine's ties); the rest,
+    and the order of the runs, stay as printed."""
+    lines = observation.split("\n")
+    out: list[str] = []
+    start = 0
+    while start < len(lines):
+        key, end = _tie_key(lines[start]), start + 1
+        while key is not None and end < len(lines) and _tie_key(lines[end]) == key:
+            end += 1
+        out += sorted(lines[start:end])
+        start = end
+    return "\n".join(out)
+
+
 def _words(observation: str) -> list[str]:
-    """An observation up to word order: the engine lists same-named objects (three wood cups of
-    paint) in an order that changes from load to load; everything else it prints is fixed."""
+    """An observation up to word order, for replay checks (ties may also sit inside a line)."""
     return sorted(observation.split())
 
 
@@ -139,7 +159,7 @@ class SciWorldEnv(Environment):
             raise ValueError(f"ScienceWorld task id {data_idx} out of range [0, {len(all_tasks)})")
         self.task = all_tasks[data_idx]
         self.simulator.load(self.task.name, self.task.variation)
-        self._first_observation = self.simulator.step("look around")
+        self._first_observation = canonical_order(self.simulator.step("look around"))
         self._observation = f"{self.simulator.task_description()}\n{self._first_observation}"
         self._score = self.score()
         self._turns = []
@@ -148,7 +168,7 @@ class SciWorldEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         moves_before = self.simulator.moves()
-        observation = self.simulator.step(action)
+        observation = canonical_order(self.simulator.step(action))
         moves = self.simulator.moves()
         self._turns.append(Turn(action, observation, took_time=moves != moves_before))
         self._observation = observation
