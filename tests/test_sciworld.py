@@ -16,7 +16,7 @@ from agentgym_jax.envs.protocol import ProtocolError
 from environments.sciworld import tasks as task_list
 from environments.sciworld.env import SciWorldEnv
 from environments.sciworld.pool import SimulatorPool
-from environments.sciworld.simulator import Simulator
+from environments.sciworld.simulator import JavaMissing, Simulator
 from tests.servers import request_json, start_server
 from tests.test_environments import _run_oracle
 
@@ -74,6 +74,13 @@ def test_splits_partition_the_ids_and_test_has_every_task_name():
     assert len(names) == 23
     for split in ("train", "dev", "test"):
         assert {task_list.tasks()[i].name for i in splits[split]} == names, split
+
+
+def test_a_missing_java_runtime_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `java` here
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    with pytest.raises(JavaMissing, match="Java runtime"):
+        Simulator()
 
 
 # --- the environment in-process ----------------------------------------------------------------
