@@ -101,21 +101,22 @@ def main(argv: list[str] | None = None) -> None:
                     if len(compile_s) == compiled:
                         break
                 compiled = len(compile_s)
-                wall = busy = wait = 0.0
-                turns = continuation = reprefill = calls = 0
+                stats, trajectories = [], []
                 for r in range(args.rounds):
-                    trajectories = engine.run(params, task_ids, args.horizon, jax.random.key(r), policy_version=0)
+                    batch = engine.run(params, task_ids, args.horizon, jax.random.key(r), policy_version=0)
                     s = engine.last_stats
-                    wall, busy, wait, calls = wall + s.wall_s, busy + s.sampler_busy_s, wait + s.sampler_wait_s, calls + s.sampler_calls
-                    counts = token_counts(trajectories)
-                    turns, continuation, reprefill = turns + counts[0], continuation + counts[1], reprefill + counts[2]
-                    statuses = sorted({t.status.value for t in trajectories})
-                    print(f"[{name}] round {r}: {s.wall_s:.2f} s, {counts[0]} turns in {s.sampler_calls} sampler "
+                    stats.append(s)
+                    trajectories += batch
+                    statuses = sorted({t.status.value for t in batch})
+                    print(f"[{name}] round {r}: {s.wall_s:.2f} s, {s.turns} turns in {s.sampler_calls} sampler "
                           f"calls, wait {s.sampler_wait_s:.3f} s ({100 * s.wait_fraction:.1f}%), statuses {statuses}")
+                wall, wait = sum(s.wall_s for s in stats), sum(s.sampler_wait_s for s in stats)
+                turns, continuation, reprefill = token_counts(trajectories)
                 wait_fraction[name], token_ratio[name] = wait / wall, continuation / reprefill
-                print(f"[{name}] total: wall {wall:.2f} s, sampler busy {busy:.2f} s "
+                print(f"[{name}] total: wall {wall:.2f} s, sampler busy {sum(s.sampler_busy_s for s in stats):.2f} s "
                       f"({sum(compile_s[compiled:]):.2f} s compiling), waiting {wait:.3f} s "
-                      f"= {100 * wait_fraction[name]:.1f}% of wall; {turns} turns, {calls} sampler calls")
+                      f"= {100 * wait_fraction[name]:.1f}% of wall; {turns} turns, "
+                      f"{sum(s.sampler_calls for s in stats)} sampler calls")
                 print(f"[{name}] tokens per turn: continuation {continuation / turns:.1f}, re-prefill "
                       f"{reprefill / turns:.1f} (ratio {token_ratio[name]:.3f})")
     print(f"summary: sampler_wait_fraction={wait_fraction['default']:.4f} "

@@ -408,7 +408,8 @@ def test_agentgym_prompt_style_masks_the_acknowledgement(framing, maze_url, task
     [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", max_turns=2)
     assert t.status == S.MAX_TURNS and t.num_turns == 2
     prompt = framing.tokenizer.decode(t.token_ids[: t.turn_spans[0][0]])
-    assert prompt.startswith("<|im_start|>user\n" + task_info.instruction + "<|im_end|>\n<|im_start|>assistant\nOk.<|im_end|>")
+    acknowledged = "<|im_start|>assistant\nOk.<|im_end|>"
+    assert prompt.startswith(f"<|im_start|>user\n{task_info.instruction}<|im_end|>\n{acknowledged}")
     assert not any(t.loss_mask[: t.turn_spans[0][0]])
 
 
