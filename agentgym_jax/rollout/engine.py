@@ -19,15 +19,16 @@ How episodes end (one `EpisodeStatus` each):
 - env_timeout / infra_error: passed through from the `EnvPool`.
 The final observation is never appended (nothing after the last policy token is trained on);
 a turn cut by `max_tokens_per_turn` is still sent as an action (and closed with the end-of-turn
-ids, loss_mask 0, before the observation). The reward of an episode is the
-sum of the environment's step rewards (`turn_rewards`); `rollout/batch.py` puts it on the last
-policy token.
+ids, loss_mask 0, before the observation). The reward of an episode is the sum of the
+environment's step rewards (`turn_rewards`); `rollout/batch.py` puts it on the last policy token.
 
 Overlap: environment steps run concurrently on the event loop while the sampler's jitted calls
 run in a worker thread. The sampler takes every episode whose observation has arrived; once one
 has arrived it waits at most `straggler_wait_s` for the others, so fast episodes go on without
 the slowest. Every sampler call writes cache columns for all rows (padding for rows not in it),
 so splitting a batch costs cache space: size `max_cache_len` for the number of calls, not turns.
+Each call samples with `fold_in(rng, call index)`, so a run is reproducible from `rng` when the
+calls are (lock-step, `straggler_wait_s=None`, or greedy sampling).
 """
 
 from __future__ import annotations
