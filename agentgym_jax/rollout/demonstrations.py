@@ -53,6 +53,23 @@ def demonstration_trajectory(
     )
 
 
+async def play_oracle_episodes(
+    pool: EnvPool, task_ids: Sequence[int], *, max_turns: int = 100, action_format: str = ACTION_ONLY
+) -> list[Episode]:
+    """Plays every task with the oracle, concurrently, on an open pool; the raw transcripts.
+
+    `action_format` is a `str.format` pattern with an `{action}` field; its rendering is the
+    text the server receives and parses, and the assistant text of the demonstration.
+    """
+    _check_action_format(action_format)
+
+    async def policy(slot: int, observation: str) -> str:
+        del observation
+        return action_format.format(action=await pool.oracle_action(slot))
+
+    return list(await asyncio.gather(*(pool.run_episode(int(t), policy, max_turns) for t in task_ids)))
+
+
 async def play_demonstrations(
     pool: EnvPool,
     framing: ChatFraming,
@@ -64,17 +81,8 @@ async def play_demonstrations(
     action_format: str = ACTION_ONLY,
     group_offset: int = 0,
 ) -> list[Trajectory]:
-    """Plays every task with the oracle, concurrently, on an open pool; one trajectory per task.
-
-    `action_format` is a `str.format` pattern with an `{action}` field.
-    """
-    _check_action_format(action_format)
-
-    async def policy(slot: int, observation: str) -> str:
-        del observation
-        return action_format.format(action=await pool.oracle_action(slot))
-
-    episodes = await asyncio.gather(*(pool.run_episode(int(t), policy, max_turns) for t in task_ids))
+    """`play_oracle_episodes`, each turned into a token-exact trajectory (one per task)."""
+    episodes = await play_oracle_episodes(pool, task_ids, max_turns=max_turns, action_format=action_format)
     return [
         demonstration_trajectory(framing, task_info, ep, group_id=group_offset + i, prompt_style=prompt_style)
         for i, ep in enumerate(episodes)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import pathlib
 from collections.abc import Iterator, Sequence
 
@@ -58,14 +57,19 @@ def fetch_task_info(env: ml_collections.ConfigDict, urls: Sequence[str]) -> Task
     return asyncio.run(ask())
 
 
+def tokenizer_dir(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
+    """`tokenizer.dir`, else the model folder's tokenizer, else the one the job trains."""
+    return pathlib.Path(config.tokenizer.dir or config.model.hf_dir or workdir / "tokenizer")
+
+
 def tokenizer_and_framing(
     config: ml_collections.ConfigDict, workdir: pathlib.Path, corpus: Sequence[str] | None
 ) -> ChatFraming:
-    """Loads `tokenizer.dir`, or the one this job built before, or trains one on `corpus`."""
-    path = config.tokenizer.dir or os.fspath(workdir / "tokenizer")
-    if not config.tokenizer.dir and not (workdir / "tokenizer" / "tokenizer.json").exists():
+    """Loads the tokenizer (training it on `corpus` first when the job builds its own)."""
+    path = tokenizer_dir(config, workdir)
+    if not (path / "tokenizer.json").exists() and path == workdir / "tokenizer":
         if corpus is None:
-            raise ValueError("no tokenizer.dir given and no text to train a tokenizer on")
+            raise ValueError("no tokenizer.dir or model.hf_dir given and no text to train a tokenizer on")
         build_tokenizer(path, corpus, config.tokenizer.vocab_size, config.tokenizer.template)
     return ChatFraming(load_tokenizer(path))
 

@@ -27,7 +27,8 @@ from agentgym_jax.parallel.distributed import initialize_distributed
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.batch import bucket, make_token_batch
-from agentgym_jax.rollout.demonstrations import demonstration_trajectory
+from agentgym_jax.envs.pool import Episode
+from agentgym_jax.rollout.demonstrations import demonstration_trajectory, play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
 from agentgym_jax.train import build
@@ -69,22 +70,22 @@ def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: in
     return rollout_metrics(trajectories)
 
 
-def oracle_corpus_and_demos(config, urls, info: TaskInfo, workdir: pathlib.Path):
-    """Plays oracle episodes of `sft.num_tasks` training tasks; returns (text corpus, episodes)."""
-    train = sorted(info.splits["train"])
-    task_ids = task_batch(train, 0, config.sft.num_tasks, config.seed + 1)
+def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:
+    """Oracle episodes of `sft.num_tasks` training tasks (SFT data and tokenizer text)."""
+    task_ids = task_batch(info.splits["train"], 0, config.sft.num_tasks, config.seed + 1)
 
-    async def play():
+    async def play() -> list[Episode]:
         async with build.make_pool(config.env, urls) as pool:
-            async def policy(slot, observation):
-                return config.rollout.action_format.format(action=await pool.oracle_action(slot))
-            return await asyncio.gather(*(pool.run_episode(t, policy, 100) for t in task_ids))
+            return await play_oracle_episodes(pool, task_ids, action_format=config.rollout.action_format)
 
-    episodes = asyncio.run(play())
-    corpus = [info.instruction] + [
-        text for ep in episodes for text in [ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation))]
+    return asyncio.run(play())
+
+
+def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
+    """The instruction and every observation and action: what a job-built tokenizer learns from."""
+    return [info.instruction] + [
+        text for ep in episodes for text in (ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation)))
     ]
-    return corpus, episodes
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
@@ -100,8 +101,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         urls = stack.enter_context(build.environment_urls(config.env))
         info = build.fetch_task_info(config.env, urls)
         resuming = ckpt.latest_step is not None
-        corpus, episodes = (None, None) if resuming else oracle_corpus_and_demos(config, urls, info, workdir)
-        framing = build.tokenizer_and_framing(config, workdir, corpus)
+        episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, urls, info)
+        framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
         model = build.model_config(config, len(framing.tokenizer))
         update_config = build.update_config(config, model)
         rng = jax.random.PRNGKey(config.seed)
@@ -117,19 +118,20 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, ref_params), meta = ckpt.restore((state, params))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
-            demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
-            write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
-            sft_tx = make_optimizer(_optim(config.optim, config.train.steps, lr=config.sft.lr))
-            sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
-            sft_state, history = sft_train(
-                sft_state, [d for d in demos if d.success], update_config,
-                batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed,
-            )
-            state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
+            meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
+            if episodes:  # SFT warm start on the successful oracle demonstrations
+                demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
+                write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
+                sft_tx = make_optimizer(_optim(config.optim, config.train.steps, lr=config.sft.lr))
+                sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
+                sft_state, history = sft_train(
+                    sft_state, [d for d in demos if d.success], update_config,
+                    batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed,
+                )
+                state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
+                meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)
-            before = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
-            meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0), "eval_before": before,
-                    "sft_final_nll": history[-1]["nll"]}
+            meta["eval_before"] = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             ckpt.save(0, (state, ref_params), meta, force=True)
 
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"])

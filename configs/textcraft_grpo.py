@@ -1,0 +1,64 @@
+r"""TextCraft with GRPO and ScalingInter-RL, on AgentGym-RL's published hyperparameters.
+
+    python -m agentgym_jax.launch --config=configs/textcraft_grpo.py \
+        --config.model.hf_dir=/path/to/Qwen2.5-7B-Instruct --config.workdir=runs/textcraft_grpo
+
+AgentGym-RL (examples/train/ScalingInter-RL/textcraft_train.sh): GRPO, lr 1e-6, KL loss 0.001
+(low_var_kl), n = 8 samples per task, 32 tasks per step, PPO mini-batches of 8 tasks, 2 inner
+epochs, 512 tokens per turn, 10240 response tokens per episode, turns 10 -> 20 -> 30 every 100
+steps, a checkpoint every 25 steps. Sized for an accelerator slice (set `mesh` to it); the
+environment servers start locally unless `env.urls` names running ones.
+"""
+
+import ml_collections
+
+from configs import quickstart
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    config = quickstart.get_config()
+    config.workdir = "runs/textcraft_grpo"
+    config.env.name = "textcraft"
+    config.env.num_servers = 4
+    config.env.max_concurrency = 256
+    config.tokenizer.dir = ""  # empty: the tokenizer files of model.hf_dir
+    config.model.hf_dir = ""  # required: a local Qwen2.5 folder (config.json, safetensors, tokenizer)
+    config.model.param_dtype = "bfloat16"
+    config.model.compute_dtype = "bfloat16"
+    config.model.remat = True
+    config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+    config.rollout.batch_tasks = 32  # data.train_batch_size
+    config.rollout.group_size = 8  # rollout.n
+    config.rollout.max_tokens_per_turn = 512  # rollout.max_tokens
+    config.rollout.max_response_length = 10240  # data.max_response_length
+    config.rollout.max_cache_len = 512 + 10240  # max_prompt_length + max_response_length
+    config.rollout.temperature = 1.0
+
+    config.horizon.schedule = "stepwise"
+    config.horizon.rounds = (10, 20, 30)
+    config.horizon.steps_per_stage = 100
+
+    config.algo.advantage = "grpo"
+    config.algo.ppo_epochs = 2  # ppo_epochs (honoured here; AgentGym-RL ignores it)
+    config.algo.num_minibatches = 4  # 32 tasks / ppo_mini_batch_size 8
+    config.algo.num_microbatches = 64  # 8 tasks x 8 samples per mini-batch, one row per micro-batch
+    config.algo.kl_coef = 0.001
+    config.algo.kl_estimator = "low_var_kl"
+    config.algo.kl_in_reward = False  # use_kl_loss=True
+
+    config.optim.lr = 1e-6
+    config.optim.warmup_steps = 0
+    config.optim.lr_schedule = "constant"
+    config.optim.weight_decay = 0.01
+    config.optim.grad_clip = 1.0
+    config.optim.b1 = 0.9
+    config.optim.b2 = 0.999
+
+    config.sft.num_tasks = 0  # the instruct model starts RL directly
+    config.train.steps = 300
+    config.train.checkpoint_every = 25  # trainer.save_freq
+    config.train.keep_checkpoints = 3
+    config.eval.num_tasks = 109  # the whole TextCraft test split
+    config.eval.horizon = 30
+    return config
