@@ -36,8 +36,9 @@ def environment_urls(env: ml_collections.ConfigDict) -> Iterator[list[str]]:
     if env.urls:
         yield [u.strip() for u in env.urls.split(",") if u.strip()]
         return
-    with LocalServers([env.name] * env.num_servers) as servers:
-        yield [server.url for server in servers.servers]
+    with contextlib.ExitStack() as stack:  # one group per server: a group holds each env once
+        groups = [stack.enter_context(LocalServers([env.name])) for _ in range(env.num_servers)]
+        yield [group.servers[0].url for group in groups]
 
 
 def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
@@ -130,13 +131,16 @@ def make_engine(
     rollout: RolloutConfig,
 ) -> RolloutEngine:
     """A rollout engine with its own sampler and pool (one per sampling setting)."""
-    sampler = Sampler.for_decoder(
+    return RolloutEngine(make_sampler(config, model, framing, rollout), framing, make_pool(config.env, urls), info, rollout)
+
+
+def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
+    return Sampler.for_decoder(
         model,
         rollout.sampling_config(framing),
         max_cache_len=config.rollout.max_cache_len,
         dtype=jnp.dtype(config.model.compute_dtype),
     )
-    return RolloutEngine(sampler, framing, make_pool(config.env, urls), info, rollout)
 
 
 def update_config(config: ml_collections.ConfigDict, model: ModelConfig) -> UpdateConfig:

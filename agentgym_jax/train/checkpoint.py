@@ -58,6 +58,14 @@ class Checkpointer:
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["meta"])
 
+    def restore_raw(self, step: int | None = None) -> Any:
+        """The saved state as plain nested lists/dicts of arrays, without a target (e.g. only the
+        params of a `(TrainState, ref_params)` checkpoint, for evaluation)."""
+        step = self.latest_step if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))["state"]
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

@@ -104,6 +104,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, urls, info)
         framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
         model = build.model_config(config, len(framing.tokenizer))
+        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
         update_config = build.update_config(config, model)
         rng = jax.random.PRNGKey(config.seed)
         params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
