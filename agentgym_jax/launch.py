@@ -20,6 +20,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 MODES: dict[str, str] = {
     "serve": "agentgym_jax.envs.launcher",
     "rl": "agentgym_jax.train.rl_loop",
+    "eval": "agentgym_jax.eval.runner",
+    "collect": "agentgym_jax.eval.collect",
 }
 
 

@@ -1,0 +1,61 @@
+"""`mode=collect`: a dataset of episodes of the oracle or of a model, resumable.
+
+    python -m agentgym_jax.launch --config=configs/collect.py --config.envs=textcraft --config.task_ids=0:500
+
+Writes to `out_dir`:
+- `trajectories.jsonl`: our token-exact records, one per (env, task, sample, attempt), appended
+  batch by batch with a progress bar; an interrupted collection restarted with the same command
+  plays only what is missing (`rollout/collect.py`), never a duplicate;
+- `agentgym.json`: AgentGym's conversation format (`item_id` like `textcraft_12`,
+  `conversations` of `from`/`value`/`loss`, plus `reward`, `success`, `status`) of the record that
+  counts for every (task, sample), infrastructure failures left out (`only_successful`: keep
+  successes only, as AgentTraj does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import ml_collections
+from absl import logging
+
+from agentgym_jax.eval import job
+from agentgym_jax.eval.runner import TRAJECTORIES_NAME, play_all
+from agentgym_jax.rollout.collect import last_attempts
+from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.train import agentgym_format, build
+
+AGENTGYM_NAME = "agentgym.json"
+
+
+def dataset_records(records: list[Trajectory], envs: list[str], only_successful: bool) -> list[Trajectory]:
+    """The counted record of each (env, task, sample), sorted; scored ones (or successes) only."""
+    out = []
+    for env in envs:
+        for _, t in sorted(last_attempts(records, env).items()):
+            if t.status.is_scored and (t.success or not only_successful):
+                out.append(t)
+    return out
+
+
+def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
+    out_dir = pathlib.Path(config.out_dir)
+    job.check_run_spec(config, out_dir)
+    with job.server_urls(config) as urls:
+        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
+        schedule = {env: job.task_ids(config, info) for env, info in infos.items()}
+        policy, framing = job.make_policy(config, infos, out_dir)
+        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+        records = asyncio.run(play_all(
+            policy, pools, infos, schedule, out_dir, samples_per_task=config.samples_per_task,
+            horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
+            batch_episodes=config.batch_episodes,
+        ))
+    dataset = dataset_records(records, list(infos), config.only_successful)
+    agentgym_format.export_file(out_dir / AGENTGYM_NAME, dataset, framing)
+    successes = sum(t.success for t in dataset)
+    logging.info("collected %d records into %s", len(records), out_dir)
+    print(f"summary: envs={','.join(infos)} records={len(records)} dataset_items={len(dataset)} "
+          f"successes={successes} out_dir={out_dir} files={TRAJECTORIES_NAME},{AGENTGYM_NAME}")
+    return dataset

@@ -1,0 +1,160 @@
+"""What `mode=eval` and `mode=collect` build from their config: servers, tasks and the policy.
+
+- servers: `env.urls` as `name=url` pairs (a name may repeat: several servers of one
+  environment), or `env.num_servers` local servers per environment for the job's duration;
+- tasks: `split` ("train", "test" or "" for every id) and `task_ids` ("" all of the split,
+  "N" its first N, "a:b" the ids a <= id < b, all of which must be in the split);
+- policy: "oracle", "checkpoint:<RL workdir>" (the params of its latest orbax checkpoint, or
+  `checkpoint_step`; its `config.json` and `tokenizer/`), or "hf:<folder>" (safetensors,
+  config.json and tokenizer of a Hugging Face folder).
+An output folder remembers what it was made with (`run.json`); resuming into it with another
+policy or schedule is refused rather than mixing records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from agentgym_jax.config import ConfigError
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.models import hf_checkpoint
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.config import load_config
+from agentgym_jax.parallel import partition
+from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
+from agentgym_jax.train import build
+from agentgym_jax.train.checkpoint import Checkpointer
+
+RUN_SPEC_NAME = "run.json"
+SCHEDULE_KEYS = ("envs", "policy", "checkpoint_step", "split", "task_ids", "samples_per_task", "seed", "temperature", "horizon")
+
+
+def env_names(config: ml_collections.ConfigDict) -> list[str]:
+    names = [n.strip() for n in config.envs.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"envs must list distinct environment names, got {config.envs!r}")
+    return names
+
+
+def parse_urls(spec: str, envs: Sequence[str]) -> dict[str, list[str]]:
+    """`"maze=http://a,maze=http://b,room=http://c"` -> {env: [urls]} (a bare URL if one env)."""
+    out: dict[str, list[str]] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        env, sep, url = item.partition("=")
+        if not sep:
+            if len(envs) != 1:
+                raise ConfigError(f"env.urls: {item!r} needs a name, as in 'maze={item}' (envs: {list(envs)})")
+            env, url = envs[0], item
+        if env not in envs:
+            raise ConfigError(f"env.urls names {env!r}, which is not in envs {list(envs)}")
+        out.setdefault(env, []).append(url)
+    return out
+
+
+@contextlib.contextmanager
+def server_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, list[str]]]:
+    """env -> server URLs: the given ones, else local servers started for the job."""
+    envs = env_names(config)
+    given = parse_urls(config.env.urls, envs)
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for env in envs:
+            if env in given:
+                urls[env] = given[env]
+            else:
+                local = ml_collections.ConfigDict(dict(name=env, urls="", num_servers=config.env.num_servers))
+                urls[env] = stack.enter_context(build.environment_urls(local))
+        yield urls
+
+
+def task_ids(config: ml_collections.ConfigDict, info: TaskInfo) -> list[int]:
+    """The scheduled task ids of one environment (see the module docstring)."""
+    if config.split:
+        if config.split not in info.splits:
+            raise ConfigError(f"{info.env} has no split {config.split!r}; splits: {sorted(info.splits)}")
+        pool = sorted(info.splits[config.split])
+    else:
+        pool = list(range(info.num_tasks))
+    spec = str(config.task_ids).strip()
+    if not spec:
+        return pool
+    try:
+        if ":" in spec:
+            low, high = (int(x) for x in spec.split(":"))
+            ids = list(range(low, high))
+            outside = sorted(set(ids) - set(pool))
+            if outside:
+                raise ConfigError(f"task ids {outside[:10]} ({len(outside)} in all) are not in {info.env}'s split {config.split!r}")
+            return ids
+        count = int(spec)
+    except ValueError as e:
+        raise ConfigError(f"task_ids must be '', 'N' or 'a:b', got {spec!r}") from e
+    if not 1 <= count <= len(pool):
+        raise ConfigError(f"task_ids={count}: {info.env}'s split {config.split!r} has {len(pool)} tasks")
+    return pool[:count]
+
+
+def check_run_spec(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> None:
+    """Writes `run.json`, or refuses an `out_dir` that holds a run made with other settings."""
+    spec = {key: config[key] for key in SCHEDULE_KEYS}
+    path = out_dir / RUN_SPEC_NAME
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = {k: (old.get(k), v) for k, v in spec.items() if old.get(k) != v}
+        if changed:
+            raise ConfigError(
+                f"{out_dir} holds a run with other settings {changed} (old, new); use another out_dir"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2))
+
+
+def make_policy(config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], out_dir: pathlib.Path) -> tuple[Policy, ChatFraming]:
+    """The configured policy and the chat framing its trajectories are tokenized with."""
+    kind, _, where = config.policy.partition(":")
+    if kind == "oracle" and not where:
+        corpus = [info.instruction for info in infos.values()]
+        framing = build.tokenizer_and_framing(config, out_dir, corpus)
+        return OraclePolicy(framing, config.rollout.action_format), framing
+    if kind not in ("checkpoint", "hf") or not where:
+        raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>' or 'hf:<dir>', got {config.policy!r}")
+    folder = pathlib.Path(where)
+    if not (folder / "config.json").exists():
+        raise ConfigError(f"policy {config.policy!r}: no config.json in {folder}")
+    config = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy
+    if kind == "hf":
+        config.model.hf_dir = str(folder)
+    framing = build.tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, or <workdir>/tokenizer
+    model = load_config(folder)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    if kind == "hf":
+        params = build.initial_params(config, model, mesh, jax.random.key(0), value_head=False)
+    else:
+        dtype = jnp.dtype(config.model.param_dtype)
+        params = checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
+    rollout = build.rollout_config(config, temperature=config.temperature, group_size=1)
+    sampler = build.make_sampler(config, model, framing, rollout)
+    return ModelPolicy(sampler, framing, params, rollout), framing
+
+
+def checkpoint_params(directory: pathlib.Path, step: int, model, mesh, dtype):
+    """The policy params of an RL checkpoint `(TrainState, ref_params)` (step -1: the latest),
+    placed in their shardings over `mesh`."""
+    ckpt = Checkpointer(str(directory), every=1)
+    try:
+        state, _ = ckpt.restore_raw(None if step < 0 else step)
+    finally:
+        ckpt.close()
+    params = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
+    shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
+    return jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x, dtype), s), params, shardings)

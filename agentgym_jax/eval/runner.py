@@ -1,0 +1,92 @@
+"""`mode=eval`: a policy on the tasks of one or many environments, with honest accounting.
+
+    python -m agentgym_jax.launch --config=configs/eval.py --config.policy=checkpoint:runs/quickstart
+
+Per environment, every (task, sample) is played (`rollout/collect.py`: batches, retries of
+infrastructure errors as new attempts, `trajectories.jsonl` written as it goes, resumable), then
+`eval/accounting.py` summarizes the records against the schedule and `eval/report.py` writes
+summary.json, summary.md and the PNG plots to `out_dir`. Definitions: docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+from absl import logging
+
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.eval import job
+from agentgym_jax.eval.accounting import EvalSummary, summarize
+from agentgym_jax.eval.report import markdown_table, write_report
+from agentgym_jax.rollout.collect import Policy, collect
+from agentgym_jax.train import build
+
+TRAJECTORIES_NAME = "trajectories.jsonl"
+
+
+async def play_all(
+    policy: Policy,
+    pools: Mapping[str, EnvPool],
+    infos: Mapping[str, TaskInfo],
+    schedule: Mapping[str, Sequence[int]],
+    out_dir: pathlib.Path,
+    **collect_kwargs,
+) -> list:
+    """Every environment's scheduled episodes, one after the other, into one JSONL file."""
+    records = []
+    for env, pool in pools.items():
+        async with pool:
+            records += await collect(policy, pool, infos[env], schedule[env], path=out_dir / TRAJECTORIES_NAME, **collect_kwargs)
+    return records
+
+
+def evaluate(
+    policy: Policy,
+    pools: Mapping[str, EnvPool],
+    infos: Mapping[str, TaskInfo],
+    schedule: Mapping[str, Sequence[int]],
+    out_dir: str | pathlib.Path,
+    *,
+    samples_per_task: int,
+    horizon: int,
+    seed: int,
+    max_attempts: int = 1,
+    batch_episodes: int = 64,
+    progress: bool = True,
+) -> EvalSummary:
+    """Plays the schedule (env -> task ids) with unopened `pools` and writes the report."""
+    out_dir = pathlib.Path(out_dir)
+    records = asyncio.run(play_all(
+        policy, pools, infos, schedule, out_dir, samples_per_task=samples_per_task, horizon=horizon,
+        seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes, progress=progress,
+    ))
+    thresholds = {env: info.success_threshold for env, info in infos.items()}
+    summary = summarize(records, thresholds, samples_per_task, schedule)
+    write_report(summary, str(out_dir))
+    return summary
+
+
+def run(config: ml_collections.ConfigDict) -> EvalSummary:
+    out_dir = pathlib.Path(config.out_dir)
+    job.check_run_spec(config, out_dir)
+    with job.server_urls(config) as urls:
+        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
+        schedule = {env: job.task_ids(config, info) for env, info in infos.items()}
+        policy, _ = job.make_policy(config, infos, out_dir)
+        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+        summary = evaluate(
+            policy, pools, infos, schedule, out_dir, samples_per_task=config.samples_per_task,
+            horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
+            batch_episodes=config.batch_episodes,
+        )
+    logging.info("evaluation report in %s", out_dir)
+    print(markdown_table(summary))
+    o = summary.overall
+    print(f"summary: envs={','.join(infos)} scheduled={o.scheduled} success={o.success.value:.3f} "
+          f"conditional_success={o.conditional_success.value if o.conditional_success.value is not None else float('nan'):.3f} "
+          f"infra_rate={o.infra_rate.value:.3f} out_dir={out_dir}")
+    return summary

@@ -1,0 +1,149 @@
+"""Resumable collection of episodes: a policy over (task ids x samples), one JSONL record each.
+
+The shared core of `mode=collect` (datasets) and `mode=eval` (evaluation runs):
+
+    policy = OraclePolicy(framing)                        # or ModelPolicy(sampler, framing, params, rollout)
+    async with EnvPool(urls) as pool:
+        records = await collect(policy, pool, info, task_ids, samples_per_task=4, horizon=20,
+                                seed=0, path="out/trajectories.jsonl")
+
+Episodes are played in batches of `batch_episodes`; each finished batch is appended to the JSONL
+file and fsynced before the next starts, so a killed collection loses at most the batch in
+flight. A restart reads the file (cutting a torn last line), keeps what is there and plays only
+the (task, sample) pairs without a record: never a duplicate. An episode that ended `infra_error`
+is played again, up to `max_attempts` in all, as `attempt=k` of the same (task, sample) (the
+accounting counts the last attempt and reports the retries); retries go to the end of the queue.
+
+Sampling keys: each batch samples with `key(seed)` folded with its first episode's
+(task, sample, attempt), so a run is reproducible for the same batching (and exactly so when
+greedy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+from tqdm import tqdm
+
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.rollout.demonstrations import ACTION_ONLY, play_demonstrations
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
+from agentgym_jax.sampling.sampler import Sampler
+
+Slot = tuple[int, int, int]  # (task_id, sample_idx, attempt)
+
+
+class Policy(Protocol):
+    """Plays one batch of episodes on an open pool; one trajectory per task id, in order."""
+
+    async def play(
+        self, pool: EnvPool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array
+    ) -> list[Trajectory]: ...
+
+
+@dataclasses.dataclass
+class OraclePolicy:
+    """The environment's oracle (`/oracle_action`), each action phrased by `action_format`."""
+
+    framing: ChatFraming
+    action_format: str = ACTION_ONLY
+
+    async def play(self, pool, info, task_ids, horizon, rng):
+        del rng  # the oracle is deterministic
+        return await play_demonstrations(
+            pool, self.framing, info, task_ids, max_turns=horizon, action_format=self.action_format
+        )
+
+
+@dataclasses.dataclass
+class ModelPolicy:
+    """A decoder's params sampled by the rollout engine (one row per episode)."""
+
+    sampler: Sampler
+    framing: ChatFraming
+    params: Any
+    rollout: RolloutConfig
+    policy_version: int = -1
+
+    async def play(self, pool, info, task_ids, horizon, rng):
+        engine = RolloutEngine(self.sampler, self.framing, pool, info, dataclasses.replace(self.rollout, group_size=1))
+        return await engine.run_async(self.params, task_ids, horizon, rng, policy_version=self.policy_version)
+
+
+def resume_jsonl(path: str | os.PathLike) -> list[Trajectory]:
+    """The records of an interrupted collection; a torn last line (killed writer) is cut off the
+    file so that appending goes on from a clean line."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+    return list(read_jsonl(os.fspath(path)))
+
+
+def last_attempts(records: Sequence[Trajectory], env: str) -> dict[tuple[int, int], Trajectory]:
+    """(task, sample) -> its record with the highest attempt, for the records of `env`."""
+    out: dict[tuple[int, int], Trajectory] = {}
+    for t in records:
+        key = (t.task_id, t.sample_idx)
+        if t.env == env and (key not in out or t.attempt > out[key].attempt):
+            out[key] = t
+    return out
+
+
+async def collect(
+    policy: Policy,
+    pool: EnvPool,
+    info: TaskInfo,
+    task_ids: Sequence[int],
+    *,
+    samples_per_task: int,
+    horizon: int,
+    seed: int,
+    path: str | os.PathLike,
+    batch_episodes: int = 64,
+    max_attempts: int = 1,
+    progress: bool = True,
+) -> list[Trajectory]:
+    """Plays every (task, sample) of `info.env` without a record in `path`; returns the env's
+    records (earlier and new, every attempt). `pool` must be open."""
+    if samples_per_task < 1 or batch_episodes < 1 or max_attempts < 1 or horizon < 1:
+        raise ValueError(
+            f"samples_per_task ({samples_per_task}), batch_episodes ({batch_episodes}), "
+            f"max_attempts ({max_attempts}) and horizon ({horizon}) must be >= 1"
+        )
+    records = [t for t in resume_jsonl(path) if t.env == info.env]
+    done = last_attempts(records, info.env)
+    todo: list[Slot] = [(int(task), s, 0) for task in task_ids for s in range(samples_per_task) if (task, s) not in done]
+    todo += [
+        (t.task_id, t.sample_idx, t.attempt + 1)
+        for t in done.values()
+        if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts
+    ]
+    bar = tqdm(total=len(todo), desc=f"{info.env}", unit="episode", disable=not progress)
+    while todo:
+        batch, todo = todo[:batch_episodes], todo[batch_episodes:]
+        task, sample, attempt = batch[0]
+        rng = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), task), sample), attempt)
+        played = await policy.play(pool, info, [task for task, _, _ in batch], horizon, rng)
+        new = [
+            dataclasses.replace(t, group_id=task, sample_idx=sample, attempt=attempt)
+            for t, (task, sample, attempt) in zip(played, batch, strict=True)
+        ]
+        write_jsonl(os.fspath(path), new)
+        records += new
+        retries = [(t.task_id, t.sample_idx, t.attempt + 1) for t in new
+                   if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts]
+        todo += retries
+        bar.total += len(retries)
+        bar.update(len(batch))
+    bar.close()
+    return records
