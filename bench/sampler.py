@@ -8,7 +8,8 @@ One random Qwen2 model is built by transformers, saved with save_pretrained and 
 loader, so both sides run the same float32 weights on the CPU with the same number of threads
 (torch intra-op threads = the cores this process may use; XLA's CPU thread pool spans the same
 cores). `taskset -c 0 python bench/sampler.py` pins both to one core and times them in process
-CPU seconds, which the load of other processes on a shared machine does not move. Greedy decoding with no stop id, so both generate exactly `--new-tokens` per row.
+CPU seconds, which the load of other processes on a shared machine does not move. Greedy
+decoding with no stop id, so both generate exactly `--new-tokens` per row.
 Times are steady state (every shape compiled or warmed up first), the best of `--repeats` rounds
 that alternate between the two sides, so that load on a shared machine hits both alike.
 The last line is `summary: decode_speedup_vs_hf=<x> prefill_speedup_vs_hf=<y> continuation_speedup_vs_reprefill=<z>`.
@@ -129,12 +130,14 @@ def main() -> None:
     print(
         f"model: qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} float32 | "
         f"batch={args.batch} prompt_tokens={prompt_tokens} new_tokens={args.new_tokens} | "
-        f"threads={threads} clock={clock_name} jax={jax.__version__} torch={torch.__version__} transformers={transformers.__version__}"
+        f"threads={threads} clock={clock_name} | "
+        f"jax={jax.__version__} torch={torch.__version__} transformers={transformers.__version__}"
     )
 
     max_cache_len = 1 << (args.prompt_len + args.new_tokens - 1).bit_length()
     greedy = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.0)
-    prefill, generate = our_generate(Sampler.for_decoder(model_config, greedy, max_cache_len=max_cache_len), params, prompts)
+    sampler = Sampler.for_decoder(model_config, greedy, max_cache_len=max_cache_len)
+    prefill, generate = our_generate(sampler, params, prompts)
     hf_run = hf_generate(hf_model, prompts)
     generate(prefill())  # compile
     hf_run(2)  # warm up
@@ -153,7 +156,11 @@ def main() -> None:
     hf_decode = best["hf_total"] - best["hf_prefill"]
     rows = [
         ("prefill tokens/s", prompt_tokens / best["ours_prefill"], prompt_tokens / best["hf_prefill"]),
-        ("decode tokens/s", args.batch * args.new_tokens / best["ours_decode"], args.batch * (args.new_tokens - 1) / hf_decode),
+        (
+            "decode tokens/s",
+            args.batch * args.new_tokens / best["ours_decode"],
+            args.batch * (args.new_tokens - 1) / hf_decode,
+        ),
     ]
     print(f"{'':18s} {'agentgym_jax':>14s} {'transformers':>14s} {'speedup':>8s}")
     for name, ours, hf in rows:

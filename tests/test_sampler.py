@@ -383,7 +383,7 @@ def test_decoder_continuation_equals_one_full_forward(qwen2, turn_sampler):
     for row, h in enumerate(history):
         tokens[row, : len(h)] = h
     positions = np.where(np.arange(lengths.max()) < lengths[:, None], np.arange(lengths.max()), -1)
-    full, _ = decoder.forward(params, tokens, positions.astype(np.int32), None, config=config)
+    full, _ = jax.jit(functools.partial(decoder.forward, config=config))(params, tokens, positions.astype(np.int32))
     want = np.asarray(full)[np.arange(3), lengths - 1]
     got = np.asarray(state.logits[:3])
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
