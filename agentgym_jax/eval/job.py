@@ -88,20 +88,19 @@ def task_ids(config: ml_collections.ConfigDict, info: TaskInfo) -> list[int]:
     spec = str(config.task_ids).strip()
     if not spec:
         return pool
-    try:
-        if ":" in spec:
-            low, high = (int(x) for x in spec.split(":"))
-            ids = list(range(low, high))
-            outside = sorted(set(ids) - set(pool))
-            if outside:
-                raise ConfigError(f"task ids {outside[:10]} ({len(outside)} in all) are not in {info.env}'s split {config.split!r}")
-            return ids
-        count = int(spec)
-    except ValueError as e:
-        raise ConfigError(f"task_ids must be '', 'N' or 'a:b', got {spec!r}") from e
-    if not 1 <= count <= len(pool):
-        raise ConfigError(f"task_ids={count}: {info.env}'s split {config.split!r} has {len(pool)} tasks")
-    return pool[:count]
+    low, sep, high = spec.partition(":")
+    if not all(x.strip().isdigit() for x in ((low, high) if sep else (low,))):
+        raise ConfigError(f"task_ids must be '', 'N' or 'a:b', got {spec!r}")
+    if sep:
+        ids = list(range(int(low), int(high)))
+        outside = sorted(set(ids) - set(pool))
+        if outside or not ids:
+            raise ConfigError(f"task ids {outside[:10]} ({len(outside)} in all) are not in {info.env}'s split {config.split!r}"
+                              if outside else f"task_ids={spec!r} is an empty range")
+        return ids
+    if not 1 <= int(low) <= len(pool):
+        raise ConfigError(f"task_ids={low}: {info.env}'s split {config.split!r} has {len(pool)} tasks")
+    return pool[: int(low)]
 
 
 def check_run_spec(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> None:
@@ -152,7 +151,7 @@ def checkpoint_params(directory: pathlib.Path, step: int, model, mesh, dtype):
     placed in their shardings over `mesh`."""
     ckpt = Checkpointer(str(directory), every=1)
     try:
-        state, _ = ckpt.restore_raw(None if step < 0 else step)
+        state, _ = ckpt.restore_raw(None if step < 0 else step)  # (TrainState, ref_params)
     finally:
         ckpt.close()
     params = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -59,12 +60,17 @@ class Checkpointer:
         return restored["state"], dict(restored["meta"])
 
     def restore_raw(self, step: int | None = None) -> Any:
-        """The saved state as plain nested lists/dicts of arrays, without a target (e.g. only the
-        params of a `(TrainState, ref_params)` checkpoint, for evaluation)."""
+        """The saved state as nested lists/dicts of numpy arrays, without a target and whatever
+        the saving topology (e.g. the params of a `(TrainState, ref_params)` checkpoint, for
+        evaluation on other devices)."""
         step = self.latest_step if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
-        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))["state"]
+        if step not in self.all_steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self._manager.directory}; steps: {self.all_steps}")
+        path = os.path.join(self._manager.directory, str(step), "state")
+        checkpointer = ocp.PyTreeCheckpointer()
+        tree = checkpointer.metadata(path).item_metadata.tree
+        to_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=to_numpy))
 
     def close(self) -> None:
         self._manager.wait_until_finished()
