@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ import pytest
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.eval import job, runner
+from agentgym_jax.eval import compare, job, runner
 from agentgym_jax.eval.accounting import MISSING
 from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models import decoder, hf_checkpoint
@@ -129,6 +130,9 @@ def test_killed_server_is_counted_in_the_end_to_end_denominator(framing, tmp_pat
         assert "60.0% [50.2, 69.1] (60/100)" in (tmp_path / "summary.md").read_text()
         assert (tmp_path / "success_by_env.png").read_bytes()[:4] == b"\x89PNG"
 
+        before = tmp_path / "before"
+        shutil.copytree(tmp_path, before, ignore=shutil.ignore_patterns("before"))
+
         # resumed with retries allowed: the 10 lost episodes are played again as attempt 1 (on A)
         pool = EnvPool(urls, max_retries=1, backoff_s=0.01)
         summary = runner.evaluate(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
@@ -142,6 +146,14 @@ def test_killed_server_is_counted_in_the_end_to_end_denominator(framing, tmp_pat
     lost = sorted((t.task_id, t.sample_idx) for t in records if t.status is EpisodeStatus.INFRA_ERROR)
     assert retried == lost and len(lost) == 10
     assert all(t.status is EpisodeStatus.SUCCESS for t in records if t.attempt == 1)
+
+    # recounted from the files, and the two runs compared task by task
+    recount = runner.load_summary(before).overall
+    assert (recount.success.numerator, recount.infra_rate.numerator) == (60, 10)
+    comparison = compare.compare_dirs(tmp_path, before)
+    assert (comparison.wins, comparison.losses, comparison.ties) == (10, 0, 40)  # the 10 recovered tasks
+    assert comparison.mcnemar_p == pytest.approx(2 * 0.5**10)
+    assert comparison.mean_difference == pytest.approx(10 * 0.5 / 50)
 
 
 # ---- policies from an RL checkpoint and a Hugging Face folder ---------------------------------

@@ -11,6 +11,7 @@ summary.json, summary.md and the PNG plots to `out_dir`. Definitions: docs/evalu
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 from collections.abc import Mapping, Sequence
 
@@ -22,10 +23,11 @@ from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.eval import job
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
-from agentgym_jax.rollout.collect import Policy, collect
+from agentgym_jax.rollout.collect import Policy, collect, resume_jsonl
 from agentgym_jax.train import build
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
+SCHEDULE_NAME = "schedule.json"  # what `load_summary` (and `eval/compare.py`) needs to recount a run
 
 
 async def play_all(
@@ -60,14 +62,26 @@ def evaluate(
 ) -> EvalSummary:
     """Plays the schedule (env -> task ids) with unopened `pools` and writes the report."""
     out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    thresholds = {env: info.success_threshold for env, info in infos.items()}
+    schedule_record = {"samples_per_task": samples_per_task, "thresholds": thresholds,
+                       "task_ids": {env: list(map(int, ids)) for env, ids in schedule.items()}}
+    (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
     records = asyncio.run(play_all(
         policy, pools, infos, schedule, out_dir, samples_per_task=samples_per_task, horizon=horizon,
         seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes, progress=progress,
     ))
-    thresholds = {env: info.success_threshold for env, info in infos.items()}
     summary = summarize(records, thresholds, samples_per_task, schedule)
     write_report(summary, str(out_dir))
     return summary
+
+
+def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
+    """Recounts a finished (or interrupted: missing episodes count) run from its files."""
+    out_dir = pathlib.Path(out_dir)
+    schedule = json.loads((out_dir / SCHEDULE_NAME).read_text())
+    records = resume_jsonl(out_dir / TRAJECTORIES_NAME)
+    return summarize(records, schedule["thresholds"], schedule["samples_per_task"], schedule["task_ids"])
 
 
 def run(config: ml_collections.ConfigDict) -> EvalSummary:
@@ -86,7 +100,7 @@ def run(config: ml_collections.ConfigDict) -> EvalSummary:
     logging.info("evaluation report in %s", out_dir)
     print(markdown_table(summary))
     o = summary.overall
+    conditional = "n/a" if o.conditional_success.value is None else f"{o.conditional_success.value:.3f}"
     print(f"summary: envs={','.join(infos)} scheduled={o.scheduled} success={o.success.value:.3f} "
-          f"conditional_success={o.conditional_success.value if o.conditional_success.value is not None else float('nan'):.3f} "
-          f"infra_rate={o.infra_rate.value:.3f} out_dir={out_dir}")
+          f"conditional_success={conditional} infra_rate={o.infra_rate.value:.3f} out_dir={out_dir}")
     return summary
