@@ -251,3 +251,17 @@ def test_mode_eval_through_the_launcher_with_a_hf_policy(framing, tmp_path):
     assert summary["scheduled"] == 4 and set(summary["pass_at_k"]) == {"1", "2"}
     for name in ("summary.md", "success_by_env.png", "success_vs_turns.png", "run.json"):
         assert (out / name).exists()
+
+
+def test_two_environments_with_local_servers(tmp_path):
+    """`runner.run` on maze and room, two local servers each: per-env rows plus a pooled overall."""
+    config = tiny_config(envs="maze,room", task_ids="3", horizon=100, out_dir=str(tmp_path))
+    config.env.num_servers = 2
+    summary = runner.run(config)
+    assert sorted(summary.per_env) == ["maze", "room"]
+    for m in summary.per_env.values():  # the oracle solves every test task given room
+        assert (m.scheduled, m.success.numerator) == (3, 3) and m.mean_score is not None
+    assert summary.overall.scheduled == 6 and summary.overall.mean_score is None  # scales may differ
+    records = list(read_jsonl(str(tmp_path / runner.TRAJECTORIES_NAME)))
+    assert sorted({t.env for t in records}) == ["maze", "room"] and len(records) == 6
+    assert "| room | 3 |" in (tmp_path / "summary.md").read_text()
