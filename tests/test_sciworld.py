@@ -14,7 +14,7 @@ from scienceworld.constants import ID2TASK
 
 from agentgym_jax.envs.protocol import ProtocolError
 from environments.sciworld import tasks as task_list
-from environments.sciworld.env import SciWorldEnv
+from environments.sciworld.env import STEP_LIMIT, SciWorldEnv
 from environments.sciworld.pool import SimulatorPool
 from environments.sciworld.simulator import JavaMissing, Simulator
 from tests.servers import request_json, start_server
@@ -148,6 +148,20 @@ def test_a_task_id_gives_the_same_text_although_the_engine_reorders_ties(simulat
     (first,) = firsts
     cups = [line for line in first.splitlines() if "wood cup" in line]
     assert cups == sorted(cups) and len(cups) == 3
+
+
+@pytest.mark.slow  # a hundred `wait`s: ~1000 simulated time steps
+def test_the_episode_ends_after_the_step_limit_in_time_steps(simulator):
+    env = SciWorldEnv(simulator)
+    env.reset(task_id("find-animal", 226))
+    moves = [0]
+    while len(moves) <= STEP_LIMIT // 10 + 2:
+        result = env.step("wait")  # ten time steps each
+        moves.append(result.info["moves"])
+        if result.done:
+            break
+    assert result.done and not result.info["success"]
+    assert moves[-2] <= STEP_LIMIT < moves[-1] and all(b - a >= 10 for a, b in zip(moves, moves[1:]))
 
 
 def test_refused_actions_are_invalid_and_take_no_time(simulator):

@@ -6,7 +6,8 @@ list (`tasks.py`); a reset loads the variation and looks around, and the first o
 the task description, a newline, and the room. The score is the engine's 0-100 progress; the
 reward of a step is the change in score; success is a score of 100. An episode ends when the
 engine says the task is complete, when the task has failed (the engine's score turns negative,
-e.g. focusing on the wrong object; the score then counts as 0), or after `STEP_LIMIT` time steps.
+e.g. focusing on the wrong object; the score then counts as 0), or after `STEP_LIMIT` time steps
+(1000, not AgentGym's 100: see the constant).
 
 Determinism: a task id always loads the same world, but the engine lists objects that share a
 name (e.g. three wood cups of paint) in an order that changes from load to load (measured: 5
@@ -35,7 +36,10 @@ from environments.sciworld import tasks as task_list
 from environments.sciworld.pool import shared_pool
 from environments.sciworld.simulator import Simulator
 
-STEP_LIMIT = 100  # ScienceWorldEnv's default `envStepLimit`, which AgentGym's server keeps
+# Time steps (`wait` is ten) after which an episode ends. AgentGym keeps ScienceWorldEnv's default
+# of 100, under which the gold path of some variations cannot finish (melting or freezing mercury:
+# 321-361 time steps, 121-141 actions); rollouts cap their turns themselves.
+STEP_LIMIT = 1000
 REFUSED = "No known action matches that input."
 AMBIGUOUS = "Ambiguous request"  # the engine then waits for the number of the meant action
 
