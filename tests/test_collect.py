@@ -33,10 +33,12 @@ def collect_command(out: pathlib.Path) -> list[str]:
             "--config.batch_episodes=2", f"--config.out_dir={out}"]
 
 
+@pytest.mark.slow
 def test_killed_collection_resumes_without_duplicates(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    first = subprocess.Popen(collect_command(out), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(collect_command(out), cwd=REPO, env=env, **quiet)
     path = out / TRAJECTORIES_NAME
     deadline = time.monotonic() + 120
     try:
@@ -59,7 +61,8 @@ def test_killed_collection_resumes_without_duplicates(tmp_path):
     assert all(t.status is EpisodeStatus.SUCCESS and t.env == "maze" for t in records)  # the oracle, horizon 100
 
     items = agentgym_format.read_file(out / AGENTGYM_NAME)
-    assert sorted(item["item_id"] for item in items) == sorted(f"maze_{task}" for task in range(*TASKS) for _ in range(SAMPLES))
+    expected_ids = [f"maze_{task}" for task in range(*TASKS) for _ in range(SAMPLES)]
+    assert sorted(item["item_id"] for item in items) == sorted(expected_ids)
     for item in items:
         turns = item["conversations"]
         assert item["success"] == 1 and turns[0]["from"] == "human" and turns[0]["loss"] is None

@@ -244,7 +244,8 @@ def test_mode_eval_through_the_launcher_with_a_hf_policy(framing, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "summary: envs=maze scheduled=4 " in done.stdout
     records = list(read_jsonl(str(out / runner.TRAJECTORIES_NAME)))
-    assert sorted((t.task_id, t.sample_idx) for t in records) == [(t, s) for t in maze.MazeEnv.task_info().splits["test"][:2] for s in range(2)]
+    first_two = maze.MazeEnv.task_info().splits["test"][:2]
+    assert sorted((t.task_id, t.sample_idx) for t in records) == [(t, s) for t in first_two for s in range(2)]
     for t in records:
         assert t.status.is_scored and 1 <= t.num_turns <= 2 and sum(t.loss_mask) > 0
     summary = json.loads((out / "summary.json").read_text())["overall"]

@@ -28,7 +28,9 @@ _NUM_BOOTSTRAP = flags.DEFINE_integer("num_bootstrap", 10_000, "paired bootstrap
 _SEED = flags.DEFINE_integer("seed", 0, "bootstrap seed")
 
 
-def compare_dirs(a: str | pathlib.Path, b: str | pathlib.Path, num_bootstrap: int = 10_000, seed: int = 0) -> PairedComparison:
+def compare_dirs(
+    a: str | pathlib.Path, b: str | pathlib.Path, num_bootstrap: int = 10_000, seed: int = 0
+) -> PairedComparison:
     """Run A against run B, task by task (`ValueError` if their task ids differ)."""
     rates_a = task_success_rates(load_summary(a).episodes)
     rates_b = task_success_rates(load_summary(b).episodes)

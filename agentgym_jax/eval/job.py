@@ -34,7 +34,9 @@ from agentgym_jax.train import build
 from agentgym_jax.train.checkpoint import Checkpointer
 
 RUN_SPEC_NAME = "run.json"
-SCHEDULE_KEYS = ("envs", "policy", "checkpoint_step", "split", "task_ids", "samples_per_task", "seed", "temperature", "horizon")
+SCHEDULE_KEYS = (
+    "envs", "policy", "checkpoint_step", "split", "task_ids", "samples_per_task", "seed", "temperature", "horizon",
+)
 
 
 def env_names(config: ml_collections.ConfigDict) -> list[str]:
@@ -94,9 +96,12 @@ def task_ids(config: ml_collections.ConfigDict, info: TaskInfo) -> list[int]:
     if sep:
         ids = list(range(int(low), int(high)))
         outside = sorted(set(ids) - set(pool))
-        if outside or not ids:
-            raise ConfigError(f"task ids {outside[:10]} ({len(outside)} in all) are not in {info.env}'s split {config.split!r}"
-                              if outside else f"task_ids={spec!r} is an empty range")
+        if not ids:
+            raise ConfigError(f"task_ids={spec!r} is an empty range")
+        if outside:
+            raise ConfigError(
+                f"task ids {outside[:10]} ({len(outside)} in all) are not in {info.env}'s split {config.split!r}"
+            )
         return ids
     if not 1 <= int(low) <= len(pool):
         raise ConfigError(f"task_ids={low}: {info.env}'s split {config.split!r} has {len(pool)} tasks")
@@ -118,7 +123,9 @@ def check_run_spec(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> 
     path.write_text(json.dumps(spec, indent=2))
 
 
-def make_policy(config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], out_dir: pathlib.Path) -> tuple[Policy, ChatFraming]:
+def make_policy(
+    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], out_dir: pathlib.Path
+) -> tuple[Policy, ChatFraming]:
     """The configured policy and the chat framing its trajectories are tokenized with."""
     kind, _, where = config.policy.partition(":")
     if kind == "oracle" and not where:
@@ -133,7 +140,7 @@ def make_policy(config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo]
     config = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy
     if kind == "hf":
         config.model.hf_dir = str(folder)
-    framing = build.tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, or <workdir>/tokenizer
+    framing = build.tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, <workdir>/tokenizer
     model = load_config(folder)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     if kind == "hf":

@@ -42,7 +42,8 @@ async def play_all(
     records = []
     for env, pool in pools.items():
         async with pool:
-            records += await collect(policy, pool, infos[env], schedule[env], path=out_dir / TRAJECTORIES_NAME, **collect_kwargs)
+            path = out_dir / TRAJECTORIES_NAME
+            records += await collect(policy, pool, infos[env], schedule[env], path=path, **collect_kwargs)
     return records
 
 

@@ -122,7 +122,9 @@ async def collect(
         )
     records = [t for t in resume_jsonl(path) if t.env == info.env]
     done = last_attempts(records, info.env)
-    todo: list[Slot] = [(int(task), s, 0) for task in task_ids for s in range(samples_per_task) if (task, s) not in done]
+    todo: list[Slot] = [
+        (int(task), s, 0) for task in task_ids for s in range(samples_per_task) if (task, s) not in done
+    ]
     todo += [
         (t.task_id, t.sample_idx, t.attempt + 1)
         for t in done.values()
