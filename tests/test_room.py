@@ -44,3 +44,12 @@ def test_task_ids_mean_the_same_task_in_other_processes():
         for seed in ("1", "2")
     }
     assert len(outputs) == 1 and str([room.room_task(i) for i in (0, 77, 399)]) in outputs
+
+
+def test_observations_give_the_goal_relative_to_you_and_the_walls_beside_you():
+    env = room.RoomEnv()
+    layout = room.room_layout(0)  # row 1 is "#......#": walls above and to the left of (1, 1)
+    assert env.start(layout, (1, 1), (3, 4)) == "Goal: 2 down, 3 right. Walls: up, left."
+    assert env.step("move right").observation == "Goal: 2 down, 2 right. Walls: up."
+    env.start(layout, (3, 4), (3, 2))
+    assert env.observation() == "Goal: 2 left. Walls: left."  # (3, 3) is the obstacle in row 3

@@ -93,12 +93,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     initialize_distributed()
     workdir = pathlib.Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     schedule = horizon_schedule(config.horizon)
-    ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
-
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(build.environment_urls(config.env))
+        urls = stack.enter_context(build.environment_urls(config.env))  # before JAX starts threads
+        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+        stack.callback(ckpt.close)
         info = build.fetch_task_info(config.env, urls)
         resuming = ckpt.latest_step is not None
         episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, urls, info)
@@ -165,7 +165,6 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         logger.close()
 
         after = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
-    ckpt.close()
     return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)
 
 

@@ -1,10 +1,12 @@
-"""Room: reach the goal in a small room with a few obstacles, in the Maze's wording and actions.
+"""Room: reach the goal in a small room with a few obstacles; the Maze's rules and actions.
 
-The Maze holds out whole layouts, so solving a test task needs exploration a tiny model cannot
-learn in minutes. Rooms are open enough that reading the goal and your position (and the walls
-beside you) is most of the skill, which is what makes the CPU quickstart's learning visible:
-`NUM_LAYOUTS` seeded rooms, `TASKS_PER_LAYOUT` start/goal pairs on each; every fourth task id
-is held out for the test split (same rooms, unseen start/goal pairs).
+Sized for the CPU quickstart, where a small policy trained from scratch on two cores must learn
+visibly within minutes. The Maze holds out whole layouts and describes absolute positions, so
+solving a test task needs exploration and arithmetic a tiny model cannot pick up that fast. A
+room is open, and each observation says where the goal lies relative to you and which sides are
+walls, in a few tokens; choosing a move towards the goal that no wall blocks is most of the
+skill. `NUM_LAYOUTS` seeded rooms, `TASKS_PER_LAYOUT` start/goal pairs on each; every fourth
+task id is held out for the test split (same rooms, unseen start/goal pairs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 
 from agentgym_jax.envs.protocol import TaskInfo
 from environments.maze import layouts
-from environments.maze.env import INSTRUCTION_TEMPLATE, MazeEnv
+from environments.maze.env import MazeEnv
 from environments.maze.layouts import Layout, Position
 
 NUM_LAYOUTS = 4
@@ -24,6 +26,14 @@ SIZE = 6  # open cells per side
 OBSTACLES = 3
 MAX_STEPS = 12
 MIN_DISTANCE, MAX_DISTANCE = 2, 7
+
+INSTRUCTION = f"""\
+Reach the goal square of a small room. Each turn you are told where the goal is from you and \
+which sides of your square are walls; a move into a wall leaves you in place. You have \
+{MAX_STEPS} moves. Actions: move up, move down, move left, move right.
+Answer with:
+Action: <one action>"""
+_SIDES = (("up", (-1, 0)), ("down", (1, 0)), ("left", (0, -1)), ("right", (0, 1)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +66,7 @@ class RoomEnv(MazeEnv):
     """One room episode; everything but the task set and the move budget is the Maze's."""
 
     name = "room"
-    instruction = INSTRUCTION_TEMPLATE.format(max_steps=MAX_STEPS)
+    instruction = INSTRUCTION
     route_prefixes = ()
     max_steps = MAX_STEPS
 
@@ -75,3 +85,12 @@ class RoomEnv(MazeEnv):
     @classmethod
     def task_setup(cls, data_idx: int) -> tuple[Layout, Position, Position]:
         return room_task(data_idx)
+
+    def _describe(self) -> str:
+        """E.g. "Goal: 2 up, 3 right. Walls: left." (relative, so a move is read off directly)."""
+        dx, dy = self.goal[0] - self.position[0], self.goal[1] - self.position[1]
+        parts = [f"{abs(dx)} {'down' if dx > 0 else 'up'}"] if dx else []
+        parts += [f"{abs(dy)} {'right' if dy > 0 else 'left'}"] if dy else []
+        x, y = self.position
+        walls = [side for side, (ax, ay) in _SIDES if not layouts.is_open(self.layout, (x + ax, y + ay))]
+        return f"Goal: {', '.join(parts) or 'here'}. Walls: {', '.join(walls) or 'none'}."
