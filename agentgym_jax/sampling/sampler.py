@@ -369,8 +369,9 @@ class Sampler:
 
         `live [rows]` marks the episodes that go on (default: those still live in `state`);
         the others append nothing and stay out of later turns. Returns the new state and
-        `overflow [rows]` bool: live rows whose tokens did not fit in `max_cache_len`. On
-        overflow the cache is left as it was and those rows are no longer live.
+        `overflow [rows]` bool: live rows whose tokens did not fit in `max_cache_len` (all rows
+        share the write pointer, and the chunk takes its padded bucket width). On overflow the
+        cache is left as it was and those rows are no longer live.
         """
         if len(chunks) != state.num_rows:
             raise ValueError(f"expected {state.num_rows} chunks (one per row), got {len(chunks)}")
