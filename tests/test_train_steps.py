@@ -1,22 +1,53 @@
 """The jitted update steps: alignment of log-probs, exact micro-batch accumulation, ppo_epochs
-honoured, non-finite updates skipped, and the policy moving the way the advantages say."""
+honoured, non-finite updates skipped, the policy moving the way the advantages say, the sharded
+update equal to the single-device one, and no recompilation after the first step.
 
-import dataclasses
+Compilation dominates this file's time (each update step is seconds of XLA CPU compilation), so
+tests share compiled steps: one `StepFns` per config (`step_fns`), one optimizer object (`TX`: the
+optimizer is a static field of `TrainState`, and a new one means a new compilation) and one
+reference update (`single_device_update`). XLA optimisations are off for this module
+(`jax_disable_most_optimizations`): the same programs compile about twice as fast, and every
+comparison is with numpy or with a step compiled the same way.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
+from test_sampler import count_compilations
+from test_sharding import assert_close
 
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import forward, init_params
+from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train import steps
 from agentgym_jax.train.state import TrainState
 
 MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
+TX = optax.sgd(1e-2, momentum=0.9)  # momentum: an optimizer state that mirrors the params
+# Epochs x mini-batches x micro-batches and a KL term: the shared config of most tests below.
+EPOCHS = steps.UpdateConfig(model=MODEL, ppo_epochs=3, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
+rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles():
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@functools.cache
+def step_fns(config: steps.UpdateConfig) -> steps.StepFns:
+    """Single-device steps, one per config for the whole module."""
+    return steps.make_step_fns(config)
 
 
 def _batch(rows=8, seq=12, seed=0, rewards=None):
@@ -40,17 +71,29 @@ def _batch(rows=8, seq=12, seed=0, rewards=None):
     )
 
 
-def _state(lr=1e-2, tx=None):
-    params = init_params(MODEL, jax.random.PRNGKey(0))
-    return TrainState.create(params, tx or optax.sgd(lr), jax.random.PRNGKey(1))
+def _state(tx=TX, value_head=False):
+    params = init_params(MODEL, jax.random.PRNGKey(0), value_head=value_head)
+    return TrainState.create(params, tx, jax.random.PRNGKey(1))
+
+
+@pytest.fixture(scope="module")
+def single_device_update():
+    """`EPOCHS` on one device from `_state()` on `_batch()`: (state, prepare metrics, update metrics)."""
+    fns = step_fns(EPOCHS)
+    state = _state()
+    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch())
+    state, metrics = fns.rl_update(state, rl_batch)
+    return state, prep_metrics, metrics
 
 
 def test_token_logprobs_line_up_with_the_tokens_they_score():
     batch = _batch()
     config = steps.UpdateConfig(model=MODEL)
     params = _state().params
-    logp, entropy, _ = steps.token_logprobs(params, batch.tokens, batch.positions, config)
-    logits, _ = forward(params, batch.tokens, batch.positions, None, config=MODEL)
+    logp, entropy, _ = jax.jit(steps.token_logprobs, static_argnames="config")(
+        params, batch.tokens, batch.positions, config
+    )
+    logits, _ = jax.jit(forward, static_argnames="config")(params, batch.tokens, batch.positions, config=MODEL)
     logits = np.asarray(logits, np.float64)
     tokens = np.asarray(batch.tokens)
     for b, t in [(0, 1), (3, 5), (7, 11)]:
@@ -65,29 +108,24 @@ def test_token_logprobs_line_up_with_the_tokens_they_score():
 def test_micro_batch_accumulation_gives_the_full_batch_gradient(agg_mode):
     batch = _batch()
     full, micro = (steps.UpdateConfig(model=MODEL, agg_mode=agg_mode, num_microbatches=n) for n in (1, 4))
-    a, metrics_a = steps.sft_update_jit(_state(), batch, full)
-    b, metrics_b = steps.sft_update_jit(_state(), batch, micro)
+    a, metrics_a = step_fns(full).sft_update(_state(), batch)
+    b, metrics_b = step_fns(micro).sft_update(_state(), batch)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), a.params, b.params)
     np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics_a["grad_norm"], metrics_b["grad_norm"], rtol=1e-4)
 
 
-def test_ppo_epochs_and_minibatches_are_all_applied():
-    batch = _batch()
-    config = steps.UpdateConfig(model=MODEL, ppo_epochs=3, num_minibatches=2, num_microbatches=2)
-    state = _state()
-    rl_batch, _ = steps.prepare_jit(state.params, state.params, batch, config)
-    state, metrics = steps.rl_update_jit(state, rl_batch, config)
+def test_ppo_epochs_and_minibatches_are_all_applied(single_device_update):
+    state, _, metrics = single_device_update
     assert int(state.step) == 6 and int(state.skipped_updates) == 0
     assert float(metrics["skipped_update"]) == 0
 
 
 def test_first_update_loss_is_minus_the_mean_advantage_at_ratio_one():
     batch = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 1])
-    config = steps.UpdateConfig(model=MODEL, kl_coef=0.1)
     state = _state()
-    rl_batch, _ = steps.prepare_jit(state.params, state.params, batch, config)
-    loss, metrics = steps.rl_loss(state.params, rl_batch, config)
+    rl_batch, _ = step_fns(EPOCHS).prepare(state.params, state.params, batch)
+    loss, metrics = rl_loss_jit(state.params, rl_batch, EPOCHS)
     mask = np.asarray(batch.loss_mask, np.float64)
     expected = -(np.asarray(rl_batch.advantages, np.float64) * mask).sum() / mask.sum()
     np.testing.assert_allclose(metrics["pg_loss"], expected, rtol=1e-5, atol=1e-7)
@@ -99,25 +137,31 @@ def test_first_update_loss_is_minus_the_mean_advantage_at_ratio_one():
 
 
 def test_non_finite_loss_is_skipped_and_counted():
-    batch = _batch()
-    config = steps.UpdateConfig(model=MODEL)
+    fns = step_fns(EPOCHS)
     state = _state()
-    rl_batch, _ = steps.prepare_jit(state.params, state.params, batch, config)
-    poisoned = rl_batch.replace(advantages=rl_batch.advantages.at[0, 1].set(jnp.nan))
+    rl_batch, _ = fns.prepare(state.params, state.params, _batch())
+    advantages = np.asarray(rl_batch.advantages)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = steps.rl_update_jit(state, poisoned, config)
+    # A NaN on every row: all 3 epochs x 2 mini-batches are skipped and the params stay put.
+    state, metrics = fns.rl_update(state, rl_batch.replace(advantages=np.where(np.arange(12) == 1, np.nan, advantages)))
     jax.tree.map(np.testing.assert_array_equal, state.params, before)
-    assert int(state.skipped_updates) == 1 and int(state.step) == 0
-    assert float(metrics["skipped_update"]) == 1
+    assert int(state.skipped_updates) == 6 and int(state.step) == 0
+    assert float(metrics["skipped_update"]) == 6
+    # A NaN on one row spoils only the mini-batch holding it, once per epoch.
+    one_row = advantages.copy()
+    one_row[0, 1] = np.nan
+    state, metrics = fns.rl_update(_state(), rl_batch.replace(advantages=one_row))
+    assert int(state.skipped_updates) == 3 and int(state.step) == 3
+    assert float(metrics["skipped_update"]) == 3
 
 
 def test_updates_raise_the_likelihood_of_positive_advantage_rows():
     batch = _batch(rewards=[1, 0, 0, 0, 1, 0, 0, 0])
-    config = steps.UpdateConfig(model=MODEL, ppo_epochs=4)
-    state = _state(tx=optax.adam(3e-3))
-    rl_batch, _ = steps.prepare_jit(state.params, state.params, batch, config)
-    state, _ = steps.rl_update_jit(state, rl_batch, config)
-    after, _ = steps.prepare_jit(state.params, state.params, batch, config)
+    fns = step_fns(EPOCHS)
+    state = _state()
+    rl_batch, _ = fns.prepare(state.params, state.params, batch)
+    state, _ = fns.rl_update(state, rl_batch)
+    after, _ = fns.prepare(state.params, state.params, batch)
     mask = np.asarray(batch.loss_mask)
     delta = ((np.asarray(after.old_logprobs) - np.asarray(rl_batch.old_logprobs)) * mask).sum(1)
     assert delta[0] > 0 and delta[4] > 0  # winners more likely
@@ -127,11 +171,74 @@ def test_updates_raise_the_likelihood_of_positive_advantage_rows():
 def test_gae_uses_the_value_head_and_trains_it():
     batch = _batch()
     config = steps.UpdateConfig(model=MODEL, advantage="gae", advantage_hparams=(("gamma", 1.0), ("lam", 1.0)))
-    params = init_params(MODEL, jax.random.PRNGKey(0), value_head=True)
-    state = TrainState.create(params, optax.adam(1e-2), jax.random.PRNGKey(1))
-    rl_batch, _ = steps.prepare_jit(state.params, state.params, batch, config)
-    _, before = steps.rl_loss(state.params, rl_batch, config)
+    fns = step_fns(config)
+    state = _state(optax.adam(1e-2), value_head=True)
+    rl_batch, _ = fns.prepare(state.params, state.params, batch)
+    _, before = rl_loss_jit(state.params, rl_batch, config)
     for _ in range(5):
-        state, _ = steps.rl_update_jit(state, rl_batch, config)
-    _, after = steps.rl_loss(state.params, rl_batch, config)
+        state, _ = fns.rl_update(state, rl_batch)
+    _, after = rl_loss_jit(state.params, rl_batch, config)
     assert 0 < float(after["value_loss"]) < 0.5 * float(before["value_loss"])
+
+
+def test_later_steps_of_the_same_shape_compile_nothing(single_device_update):
+    """Counted as XLA backend compilations (`jax.monitoring` events, see `count_compilations`),
+    after `single_device_update` compiled the steps: new batches, a fresh and a stepped state."""
+    fns = step_fns(EPOCHS)
+    state, batches = _state(), [_batch(seed=seed) for seed in (1, 2)]
+    with count_compilations() as compiled:
+        for batch in batches:
+            rl_batch, _ = fns.prepare(state.params, state.params, batch)
+            state, _ = fns.rl_update(state, rl_batch)
+        jax.block_until_ready(state)
+    assert compiled == []
+    assert int(state.step) == 12
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
+def test_sharded_update_matches_single_device_and_compiles_once(shape, single_device_update):
+    want_state, want_prep, want_metrics = single_device_update
+    mesh = make_mesh(*shape)
+    state = _state()
+    shardings = steps.train_state_shardings(state, mesh)
+    fns = steps.make_step_fns(EPOCHS, mesh, shardings)
+    state = jax.device_put(state, shardings)
+    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch())
+    state, metrics = fns.rl_update(state, rl_batch)
+    assert_close(state.params, want_state.params)
+    assert_close(state.opt_state, want_state.opt_state)
+    for key in want_metrics:  # each metric to 1e-5 of its own size
+        assert_close(metrics[key], want_metrics[key])
+    for key in want_prep:
+        assert_close(prep_metrics[key], want_prep[key])
+    assert int(state.step) == 6
+    q_proj = P(None, "fsdp", "tensor", None)
+    assert state.params["layers"]["attn"]["q_proj"]["kernel"].sharding.spec == q_proj
+    assert state.opt_state[0].trace["layers"]["attn"]["q_proj"]["kernel"].sharding.spec == q_proj  # momentum
+    assert rl_batch.advantages.sharding.spec == P(("data", "fsdp"))
+    assert metrics["loss"].sharding.is_fully_replicated
+    assert fns.row_shards == shape[0] * shape[1] and fns.padded_rows(5) == -(-5 // fns.row_shards) * fns.row_shards
+
+    with count_compilations() as compiled:  # the outputs are already where the next step wants them
+        rl_batch, _ = fns.prepare(state.params, state.params, _batch(seed=1))
+        state, _ = fns.rl_update(state, rl_batch)
+        jax.block_until_ready(state)
+    assert compiled == []
+
+
+def test_state_shardings_mirror_the_params_in_the_optimizer_state():
+    """AdamW behind clipping (the job's optimizer): mu and nu like the params, counts replicated."""
+    mesh = make_mesh(1, 2, 4)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    abstract = jax.eval_shape(lambda: _state(tx))
+    shardings = steps.train_state_shardings(abstract, mesh)
+    adam = shardings.opt_state[1][0]
+    for moments in (adam.mu, adam.nu):
+        assert jax.tree.map(lambda s: s.spec, moments) == jax.tree.map(lambda s: s.spec, shardings.params)
+    assert moments["layers"]["mlp"]["down_proj"]["kernel"].spec == P(None, "tensor", "fsdp")
+    assert adam.count.spec == P() and shardings.step.spec == P() and shardings.rng.spec == P()
+
+
+def test_a_mesh_without_state_shardings_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs state_shardings"):
+        steps.make_step_fns(EPOCHS, make_mesh(1, 2, 4))

@@ -36,7 +36,7 @@ from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import prepare_jit, rl_update_jit
+from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 
 def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
@@ -109,6 +109,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         rng = jax.random.PRNGKey(config.seed)
         params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
         state = TrainState.create(params, make_optimizer(_optim(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
+        state_shardings = train_state_shardings(state, mesh)
+        state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
+        step_fns = make_step_fns(update_config, mesh, state_shardings)
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         eval_engine = stack.enter_context(build.make_engine(
             config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
@@ -127,7 +130,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
                 sft_state, history = sft_train(
                     sft_state, [d for d in demos if d.success], update_config,
-                    batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed,
+                    batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
                 )
                 state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
@@ -146,10 +149,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             )
             rollout_s = time.time() - t0
             write_jsonl(str(workdir / "trajectories.jsonl"), trajectories)
-            batch = make_token_batch(trajectories, seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64))
+            batch = make_token_batch(
+                trajectories, seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64),
+                batch_size=step_fns.padded_rows(len(trajectories)),  # empty rows, so rows divide over the mesh
+            )
             t1 = time.time()
-            rl_batch, prep_metrics = prepare_jit(state.params, ref_params, batch, update_config)
-            state, update_metrics = rl_update_jit(state, rl_batch, update_config)
+            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch)
+            state, update_metrics = step_fns.rl_update(state, rl_batch)
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
             metrics = {

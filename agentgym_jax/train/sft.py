@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 import tqdm
+from jax.sharding import Mesh
 
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.state import TrainState
-from agentgym_jax.train.steps import UpdateConfig, sft_update_jit
+from agentgym_jax.train.steps import UpdateConfig, make_step_fns, train_state_shardings
 
 
 def sft_train(
@@ -27,10 +29,19 @@ def sft_train(
     seed: int,
     pad_id: int = 0,
     progress: bool = True,
+    mesh: Mesh | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update."""
+    """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update.
+
+    With a `mesh`, the state is placed by `train_state_shardings` and batch rows are split over
+    ("data", "fsdp") (batches padded with empty rows to a multiple of that split).
+    """
     if not trajectories:
         raise ValueError("SFT needs at least one trajectory")
+    shardings = None if mesh is None else train_state_shardings(state, mesh)
+    if shardings is not None:
+        state = jax.device_put(state, shardings)
+    step_fns = make_step_fns(config, mesh, shardings)
     seq_len = bucket(max(len(t.token_ids) for t in trajectories))
     rng = np.random.default_rng(seed)
     history = []
@@ -40,8 +51,8 @@ def sft_train(
             order = rng.permutation(len(trajectories))
             for start in range(0, len(order), batch_size):
                 rows = [trajectories[i] for i in order[start : start + batch_size]]
-                batch = make_token_batch(rows, seq_len=seq_len, batch_size=batch_size, pad_id=pad_id)
-                state, metrics = sft_update_jit(state, batch, config)
+                batch = make_token_batch(rows, seq_len=seq_len, batch_size=step_fns.padded_rows(batch_size), pad_id=pad_id)
+                state, metrics = step_fns.sft_update(state, batch)
                 history.append({k: float(v) for k, v in metrics.items()})
                 bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")
                 bar.update()

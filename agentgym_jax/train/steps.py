@@ -7,11 +7,17 @@ optimizer update whose gradient is accumulated over micro-batches. Micro-batch l
 weighted by their share of the mini-batch's tokens (or sequences, for the seq-mean modes), so
 accumulation gives exactly the gradient of the whole mini-batch. An update whose loss or
 gradient is not finite is skipped and counted (`TrainState.apply_gradients`).
+
+`make_step_fns` jits the three steps once per run: plainly on one device, or over a mesh with
+explicit in/out shardings (`train_state_shardings` for the state, batch rows over
+("data", "fsdp"), metrics replicated).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +25,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import forward, value_head
+from agentgym_jax.parallel.mesh import BATCH_AXES
+from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
 from agentgym_jax.rl.advantages import compute_advantages
 from agentgym_jax.rl.kl import apply_kl_penalty, kl_loss
 from agentgym_jax.rl.losses import entropy_from_logits, ppo_policy_loss, value_loss
@@ -54,6 +64,8 @@ class UpdateConfig:
     agg_mode: str = "token-mean"
     compute_dtype: str | None = None  # None: the parameters' dtype
     remat: bool = False
+    # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
+    activation_sharding: NamedSharding | None = None
 
     @property
     def uses_critic(self) -> bool:
@@ -86,9 +98,13 @@ def token_logprobs(
     for it.
     """
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
+    activations = config.activation_sharding
+    if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
+        spec = fit_spec(activations.spec, (*tokens.shape, config.model.hidden_size), activations.mesh)
+        activations = NamedSharding(activations.mesh, spec)
     logits, _, hidden = forward(
         params, tokens, positions, None, config=config.model, dtype=dtype, remat=config.remat,
-        return_hidden=True,
+        return_hidden=True, activation_sharding=activations,
     )
     logits = logits[:, :-1]  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
@@ -186,8 +202,12 @@ def _share(loss_mask: jax.Array, agg_mode: str) -> jax.Array:
 
 
 def _split(tree: Any, parts: int) -> Any:
-    """[batch, ...] -> [parts, batch // parts, ...] on every leaf."""
-    return jax.tree.map(lambda x: x.reshape(parts, x.shape[0] // parts, *x.shape[1:]), tree)
+    """[batch, ...] -> [parts, batch // parts, ...] on every leaf; part i takes rows i, i + parts, ...
+
+    Strided rather than contiguous, so that with rows sharded over devices every part keeps
+    rows on every device (the reshape needs no communication).
+    """
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // parts, parts, *x.shape[1:]).swapaxes(0, 1), tree)
 
 
 def accumulated_update(
@@ -241,6 +261,71 @@ def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tu
     return accumulated_update(state, batch, sft_loss, config)
 
 
-prepare_jit = jax.jit(prepare, static_argnames="config")
-rl_update_jit = jax.jit(rl_update, static_argnames="config", donate_argnames="state")
-sft_update_jit = jax.jit(sft_update, static_argnames="config", donate_argnames="state")
+def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
+    """A `TrainState` of `NamedSharding`s for `state` (arrays or `jax.eval_shape` structs).
+
+    Params follow the partition rules. Optimizer states mirror the params (Adam's mu and nu,
+    momentum): every subtree with the params' tree structure is sharded like the params, leaf by
+    leaf where the shapes agree; every other leaf (step counts, the RNG key) is replicated.
+    """
+    params = param_shardings(state.params, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    params_def = jax.tree.structure(state.params)
+    like_params = lambda x: jax.tree.structure(x) == params_def  # noqa: E731
+
+    def opt_sharding(x: Any) -> Any:
+        if not like_params(x):
+            return replicated
+        return jax.tree.map(lambda leaf, p, s: s if leaf.shape == p.shape else replicated, x, state.params, params)
+
+    return state.replace(
+        params=params,
+        opt_state=jax.tree.map(opt_sharding, state.opt_state, is_leaf=like_params),
+        step=replicated,
+        rng=replicated,
+        skipped_updates=replicated,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The jitted steps of one `UpdateConfig` and placement; build once, call every step."""
+
+    prepare: Callable[[Any, Any, TokenBatch], tuple[RLBatch, Metrics]]  # (params, ref_params, batch)
+    rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]]  # donates the state
+    sft_update: Callable[[TrainState, TokenBatch], tuple[TrainState, Metrics]]  # donates the state
+    row_shards: int  # batches need a multiple of this many rows (pad with `make_token_batch(batch_size=)`)
+
+    def padded_rows(self, rows: int) -> int:
+        """The smallest row count >= `rows` that splits evenly over the batch axes."""
+        return -(-rows // self.row_shards) * self.row_shards
+
+
+def make_step_fns(config: UpdateConfig, mesh: Mesh | None = None, state_shardings: TrainState | None = None) -> StepFns:
+    """`prepare`, `rl_update` and `sft_update` jitted for `config`.
+
+    Without a mesh: plain `jax.jit` (one device). With one: explicit `in_shardings` and
+    `out_shardings` — the state as `state_shardings` (`train_state_shardings(state, mesh)`; pass
+    states already placed there, e.g. with `jax.device_put`), the reference params like the
+    params, batch rows over ("data", "fsdp") (the row count must divide over them), metrics
+    replicated. Outputs come back in the input shardings, so step after step compiles nothing.
+    Each call makes new jitted functions, i.e. new compilations: call it once per run.
+    """
+    params = state = rows = replicated = None
+    if mesh is not None:
+        if state_shardings is None:
+            raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
+        config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
+        params, state = state_shardings.params, state_shardings
+        rows, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
+
+    def jit(fn: Callable, ins: tuple, outs: tuple, **kw) -> Callable:
+        shardings = {} if mesh is None else dict(in_shardings=ins, out_shardings=outs)
+        return jax.jit(functools.partial(fn, config=config), **shardings, **kw)
+
+    return StepFns(
+        prepare=jit(prepare, (params, params, rows), (rows, replicated)),
+        rl_update=jit(rl_update, (state, rows), (state, replicated), donate_argnums=0),
+        sft_update=jit(sft_update, (state, rows), (state, replicated), donate_argnums=0),
+        row_shards=1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES),
+    )
