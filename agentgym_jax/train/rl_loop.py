@@ -10,82 +10,29 @@ permutation of the training split), the horizon (`rl/horizon.py`) and the sampli
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import pathlib
 import time
-from collections.abc import Sequence
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
-from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.parallel.distributed import initialize_distributed
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.batch import bucket, make_token_batch
-from agentgym_jax.envs.pool import Episode
-from agentgym_jax.rollout.demonstrations import demonstration_trajectory, play_oracle_episodes
-from agentgym_jax.rollout.engine import RolloutEngine
-from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
+from agentgym_jax.rollout.demonstrations import demonstration_trajectory
+from agentgym_jax.rollout.trajectory import write_jsonl
 from agentgym_jax.train import build
 from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
-
-
-def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
-    """The tasks of RL step `step`: consecutive slices of per-epoch seeded permutations."""
-    ids = np.asarray(sorted(train_ids))
-    start = step * batch_tasks
-    out = []
-    for cursor in range(start, start + batch_tasks):
-        epoch, offset = divmod(cursor, len(ids))
-        out.append(int(ids[np.random.default_rng([seed, epoch]).permutation(len(ids))[offset]]))
-    return out
-
-
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Success, reward, turns, invalid actions and status counts of a batch of episodes."""
-    n = max(len(trajectories), 1)
-    metrics = {
-        "success_rate": sum(t.success for t in trajectories) / n,
-        "mean_reward": sum(t.reward for t in trajectories) / n,
-        "turns": sum(t.num_turns for t in trajectories) / n,
-        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(sum(t.num_turns for t in trajectories), 1),
-        "response_tokens": sum(sum(t.loss_mask) for t in trajectories) / n,
-    }
-    metrics.update({f"status/{s.value}": sum(t.status == s for t in trajectories) for s in EpisodeStatus})
-    return metrics
-
-
-def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict[str, float]:
-    """Greedy (or configured) episodes on `task_ids`; success counts every scheduled episode."""
-    trajectories = engine.run(params, task_ids, horizon, jax.random.PRNGKey(seed), policy_version=-1)
-    return rollout_metrics(trajectories)
-
-
-def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:
-    """Oracle episodes of `sft.num_tasks` training tasks (SFT data and tokenizer text)."""
-    task_ids = task_batch(info.splits["train"], 0, config.sft.num_tasks, config.seed + 1)
-
-    async def play() -> list[Episode]:
-        async with build.make_pool(config.env, urls) as pool:
-            return await play_oracle_episodes(pool, task_ids, action_format=config.rollout.action_format)
-
-    return asyncio.run(play())
-
-
-def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
-    """The instruction and every observation and action: what a job-built tokenizer learns from."""
-    return [info.instruction] + [
-        text for ep in episodes for text in (ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation)))
-    ]
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
@@ -108,7 +55,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         update_config = build.update_config(config, model)
         rng = jax.random.PRNGKey(config.seed)
         params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
-        state = TrainState.create(params, make_optimizer(_optim(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
+        state = TrainState.create(params, make_optimizer(optim_config(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
         step_fns = make_step_fns(update_config, mesh, state_shardings)
@@ -126,7 +73,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             if episodes:  # SFT warm start on the successful oracle demonstrations
                 demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
                 write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
-                sft_tx = make_optimizer(_optim(config.optim, config.train.steps, lr=config.sft.lr))
+                sft_tx = make_optimizer(optim_config(config.optim, config.train.steps, lr=config.sft.lr))
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
                 sft_state, history = sft_train(
                     sft_state, [d for d in demos if d.success], update_config,
@@ -172,14 +119,6 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
 
         after = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
     return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)
-
-
-def _optim(optim: ml_collections.ConfigDict, total_updates: int, lr: float | None = None) -> ml_collections.ConfigDict:
-    out = ml_collections.ConfigDict(optim.to_dict())
-    out.total_updates = total_updates
-    if lr is not None:
-        out.lr = lr
-    return out
 
 
 def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[str, float]:
