@@ -67,19 +67,33 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
-def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def grouped_attention(
+    q: jax.Array, segments: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
+) -> jax.Array:
     """Softmax attention where each group of query heads shares one key/value head.
 
-    q [batch, seq, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]; mask [batch, seq, keys].
-    Returns [batch, seq, heads, head_dim].
+    q [batch, seq, heads, head_dim]; `segments` are (k, v [batch, keys_i, kv_heads, head_dim],
+    mask [batch, seq, keys_i]) blocks of keys that one softmax spans, e.g. the cached keys and
+    the chunk's own new ones: attending to each block where it lies is what spares a decode step
+    from copying the cache to append its key first. Returns [batch, seq, heads, head_dim].
     """
     batch, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = segments[0][0].shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores * head_dim**-0.5, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    scores = [
+        jnp.where(
+            mask[:, None, None],
+            jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5,
+            _MASKED,
+        )
+        for k, _, mask in segments
+    ]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [batch, kv, group, seq, keys]
+    splits = np.cumsum([k.shape[1] for k, _, _ in segments])[:-1]
+    out = sum(
+        jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
+        for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), segments)
+    )
     return out.reshape(batch, seq, heads, head_dim)
 
 
@@ -101,7 +115,11 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, index):
+    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask):
+        """x [batch, seq, hidden]; `layer_cache` None or this layer's cached (k, v), visible by
+        `cache_mask` [batch, seq, slots]. Returns the attention output and, with a cache, the
+        chunk's new (k, v) [batch, seq, kv_heads, head_dim] for the caller to write.
+        """
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         q = nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x)
@@ -111,15 +129,15 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.param_dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layer_cache is not None:  # write the chunk at slots index .. index + seq, attend to all slots
+        if layer_cache is None:
+            segments, new_kv = ((k, v, mask),), None
+        else:  # the cached keys (read only) and the chunk's own, which the caller writes after
             cache_k, cache_v = layer_cache
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
-            layer_cache = (cache_k, cache_v)
-            k, v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
-        out = grouped_attention(q, k, v, mask)
+            segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), cache_mask), (k, v, mask))
+            new_kv = (k, v)
+        out = grouped_attention(q, segments)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
-        return out, layer_cache
+        return out, new_kv
 
 
 class MLP(nn.Module):
@@ -144,16 +162,16 @@ class Block(nn.Module):
     activation_sharding: jax.sharding.Sharding | None = None
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, index):
+    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, layer_cache = Attention(c, name="attn", **kw)(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, index
+        h, new_kv = Attention(c, name="attn", **kw)(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, cache_mask
         )
         x = x + h
         x = x + MLP(c, name="mlp", **kw)(RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-        return x, layer_cache
+        return x, new_kv
 
 
 class Decoder(nn.Module):
@@ -176,15 +194,15 @@ class Decoder(nn.Module):
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
-        if cache is None:
-            key_positions, layer_cache, index = positions, None, jnp.zeros((), jnp.int32)
-        else:
-            index = cache.index
-            key_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index))
-            layer_cache = (cache.k, cache.v)
-        mask = attention_mask(positions, key_positions)  # [batch, seq, keys]
+        mask = attention_mask(positions, positions)  # [batch, seq, seq]: the chunk's own keys
+        layer_cache = cache_mask = None
+        if cache is not None:  # the cached keys; slots >= index are still empty (position -1)
+            layer_cache, cache_mask = (cache.k, cache.v), attention_mask(positions, cache.positions)
 
         block = nn.remat(Block, prevent_cse=False) if self.remat else Block
+        # The cache is a scanned input (each layer reads its slice) and only the chunk's new keys
+        # and values come out, [layers, batch, seq, kv_heads, head_dim]: a step never copies the
+        # cache through the scan; the new keys go in below with one in-place update.
         layers = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -192,7 +210,7 @@ class Decoder(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c, self.dtype, self.param_dtype, self.activation_sharding, name="layers")
-        x, layer_cache = layers(x, layer_cache, cos, sin, mask, index)
+        x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask)
         hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
 
         if c.tie_word_embeddings:
@@ -203,9 +221,14 @@ class Decoder(nn.Module):
             "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
         )
         new_cache = None
-        if cache is not None:
+        if cache is not None:  # write the chunk at slots index .. index + seq
+            index = cache.index
+            write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, 0, index, 0, 0))
             new_cache = KVCache(
-                k=layer_cache[0], v=layer_cache[1], positions=key_positions, index=index + tokens.shape[1]
+                k=write(cache.k, new_kv[0]),
+                v=write(cache.v, new_kv[1]),
+                positions=jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index)),
+                index=index + tokens.shape[1],
             )
         return logits, hidden, new_cache
 
