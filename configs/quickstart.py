@@ -21,7 +21,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.workdir = "runs/quickstart"
 
     config.env = ml_collections.ConfigDict()
-    config.env.name = "maze"
+    config.env.name = "room"
     config.env.urls = ""  # comma-separated servers; empty: start local servers for the run
     config.env.num_servers = 1
     config.env.max_concurrency = 64
@@ -59,6 +59,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.top_k = 0
     config.rollout.top_p = 1.0
     config.rollout.action_format = "Action: {action}"  # how demonstrations phrase an action
+    config.rollout.straggler_wait_s = 0.05  # sample for arrived episodes after this wait
+    config.rollout.lock_step = False  # True: every turn waits for all episodes (reproducible sampling)
 
     config.horizon = ml_collections.ConfigDict()
     config.horizon.schedule = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on

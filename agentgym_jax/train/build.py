@@ -119,6 +119,7 @@ def rollout_config(
         temperature=r.temperature if temperature is None else temperature,
         top_k=r.top_k,
         top_p=r.top_p,
+        straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
     )
 
 
