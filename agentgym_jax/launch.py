@@ -22,6 +22,9 @@ MODES: dict[str, str] = {
     "rl": "agentgym_jax.train.rl_loop",
     "eval": "agentgym_jax.eval.runner",
     "collect": "agentgym_jax.eval.collect",
+    "sft": "agentgym_jax.train.sft_job",
+    "dpo": "agentgym_jax.train.dpo_job",
+    "agentevol": "agentgym_jax.train.agentevol",
 }
 
 

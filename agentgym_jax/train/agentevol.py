@@ -1,0 +1,154 @@
+"""`mode=agentevol`: AgentEvol (AgentGym, arXiv 2406.04151, section 4) as the paper describes it.
+
+Iteration 0 is behaviour cloning on the base demonstrations (oracle episodes of `sft.num_tasks`
+training tasks). Each iteration i >= 1 explores: the policy of iteration i - 1 plays
+`agentevol.samples_per_task` episodes of every exploration task (`agentevol.explore_tasks`
+training tasks, a superset of the demonstration tasks) at `agentevol.temperature`; the episodes
+whose reward reaches the environment's success threshold are kept, merged with the base
+demonstrations and deduplicated by (task, token sequence); the policy is trained on that set,
+from the base model (`agentevol.from_base`, the paper's choice) or continuing from iteration
+i - 1; then evaluated greedily on held-out test tasks. (AgentGym's released code explores
+greedily, one sample per task; the paper samples.)
+
+Files: `iter_<i>/data.jsonl` (the training set of iteration i), `iter_<i>/eval.json`,
+`checkpoints/<i>` (the orbax train state of iteration i; `mode=eval` loads it with
+`policy=checkpoint:<workdir> checkpoint_step=<i>`), `progress.json` (per-iteration summary).
+An iteration is complete when its checkpoint exists (orbax renames a finished save into place,
+and the checkpoint is written last); a killed run restarted with the same command continues
+with the first incomplete iteration, from the last complete one's parameters. What iteration i
+does is a function of (seed, i) and the previous parameters: exploration key `fold_in(seed, i)`,
+SFT shuffling seed `seed + i`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from collections.abc import Iterable, Sequence
+
+import jax
+import ml_collections
+from absl import logging
+
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.parallel.distributed import initialize_distributed
+from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.rollout.demonstrations import demonstration_trajectory
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
+from agentgym_jax.train import build
+from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, task_batch
+from agentgym_jax.train.sft import sft_train
+from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.steps import train_state_shardings
+
+
+def keep_successes(trajectories: Iterable[Trajectory], success_threshold: float) -> list[Trajectory]:
+    """Explored episodes whose reward reaches the environment's success threshold."""
+    return [t for t in trajectories if t.status.is_scored and t.reward >= success_threshold]
+
+
+def merge_dedup(base: Sequence[Trajectory], explored: Sequence[Trajectory]) -> list[Trajectory]:
+    """`base` then `explored`, keeping the first of each (env, task, token sequence)."""
+    seen: set[tuple[str, int, tuple[int, ...]]] = set()
+    out = []
+    for t in (*base, *explored):
+        key = (t.env, t.task_id, tuple(t.token_ids))
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
+    initialize_distributed()
+    evol = config.agentevol
+    if evol.iterations < 0 or evol.samples_per_task < 1:
+        raise ValueError(f"agentevol.iterations ({evol.iterations}) must be >= 0 and samples_per_task "
+                         f"({evol.samples_per_task}) >= 1")
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    demos_path = workdir / "demonstrations.jsonl"
+    with contextlib.ExitStack() as stack:
+        urls = stack.enter_context(build.environment_urls(config.env))  # before JAX starts threads
+        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        ckpt = Checkpointer(str(workdir / "checkpoints"), every=1, keep=evol.iterations + 1)
+        stack.callback(ckpt.close)
+        info = build.fetch_task_info(config.env, urls)
+        episodes = [] if demos_path.exists() else play_oracle(config, urls, info)
+        framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
+        if not demos_path.exists():
+            demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
+            write_jsonl(str(demos_path), [d for d in demos if d.success], append=False)
+        demos = list(read_jsonl(str(demos_path)))
+        model = build.model_config(config, len(framing.tokenizer))
+        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
+        update_config = build.update_config(config, model)
+        base_params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        state = _sft_state(config, base_params, num_rows=len(demos))
+        state = jax.device_put(state, train_state_shardings(state, mesh))
+        test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
+        explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
+        eval_engine = stack.enter_context(build.make_engine(
+            config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+        ))
+        explore_engine = stack.enter_context(build.make_engine(
+            config, model, framing, urls, info,
+            build.rollout_config(config, temperature=evol.temperature, group_size=evol.samples_per_task),
+        ))
+
+        start = 0 if ckpt.latest_step is None else ckpt.latest_step + 1
+        if start:
+            (state, _), _ = ckpt.restore((state, {}), step=start - 1)
+            logging.info("resuming AgentEvol at iteration %d", start)
+        for it in range(start, evol.iterations + 1):
+            it_dir = workdir / f"iter_{it}"
+            explored = []
+            if it:
+                trajectories = explore_engine.run(
+                    state.params, explore_ids, evol.horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), it),
+                    policy_version=it - 1,
+                )
+                explored = keep_successes(trajectories, info.success_threshold)
+            data = merge_dedup(demos, explored)
+            write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
+            init = base_params if evol.from_base or it == 0 else state.params
+            init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
+            state, history = sft_train(
+                _sft_state(config, init, num_rows=len(data)), data, update_config,
+                batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed + it, mesh=mesh,
+                pad_id=_pad_id(framing),
+            )
+            result = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+            record = {
+                "iteration": it, "explored_episodes": len(trajectories) if it else 0, "kept": len(explored),
+                "train_trajectories": len(data), "sft_final_nll": history[-1]["nll"], "eval": result,
+            }
+            (it_dir / "eval.json").write_text(json.dumps(record, indent=2))
+            ckpt.save(it, (state, {}), {"iteration": it}, force=True)  # completes the iteration
+            _write_progress(workdir, it, info, test_ids)
+            print(f"agentevol: iteration={it} train_trajectories={len(data)} "
+                  f"heldout_success={result['success_rate']:.3f}", flush=True)
+    return {it: json.loads((workdir / f"iter_{it}" / "eval.json").read_text())["eval"] for it in range(evol.iterations + 1)}
+
+
+def _pad_id(framing) -> int:
+    pad = framing.tokenizer.pad_token_id
+    return 0 if pad is None else pad
+
+
+def _sft_state(config: ml_collections.ConfigDict, params, num_rows: int) -> TrainState:
+    """A fresh optimizer (schedule over this iteration's updates) around `params`."""
+    updates = config.sft.epochs * -(-num_rows // config.sft.batch_size)
+    tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+    return TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
+
+
+def _write_progress(workdir: pathlib.Path, last: int, info: TaskInfo, test_ids: Sequence[int]) -> None:
+    """`progress.json`: the records of iterations 0..`last` (from their eval.json files)."""
+    records = {str(i): json.loads((workdir / f"iter_{i}" / "eval.json").read_text()) for i in range(last + 1)}
+    body = {"env": info.env, "heldout_tasks": len(test_ids), "completed": last, "iterations": records}
+    tmp = workdir / "progress.json.tmp"
+    tmp.write_text(json.dumps(body, indent=2))
+    tmp.replace(workdir / "progress.json")
