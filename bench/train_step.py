@@ -156,7 +156,8 @@ def main() -> None:
     fraction = flops_model / update_s / matmul_flops_s
     rows = [
         ("device", str(jax.devices()[0].device_kind), ""),
-        ("model", f"qwen2 L={args.layers} d={args.hidden} vocab={args.vocab} N_matmul={matmul_params(model) / 1e6:.1f}M", ""),
+        ("model", f"qwen2 L={args.layers} d={args.hidden} vocab={args.vocab}", ""),
+        ("matmul params N", f"{matmul_params(model) / 1e6:.1f}M", "attention, MLP, LM head"),
         ("batch x seq (tokens)", f"{args.batch} x {args.seq} ({tokens})", ""),
         ("first call (compile + run) s", f"{compile_s:.1f}", ""),
         ("update s (prepare + rl_update)", f"{update_s:.3f}", f"best of {args.rounds}"),

@@ -42,6 +42,7 @@ def sft_train(
     if shardings is not None:
         state = jax.device_put(state, shardings)
     step_fns = make_step_fns(config, mesh, shardings)
+    rows_per_batch = step_fns.padded_rows(batch_size)
     seq_len = bucket(max(len(t.token_ids) for t in trajectories))
     rng = np.random.default_rng(seed)
     history = []
@@ -51,7 +52,7 @@ def sft_train(
             order = rng.permutation(len(trajectories))
             for start in range(0, len(order), batch_size):
                 rows = [trajectories[i] for i in order[start : start + batch_size]]
-                batch = make_token_batch(rows, seq_len=seq_len, batch_size=step_fns.padded_rows(batch_size), pad_id=pad_id)
+                batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch, pad_id=pad_id)
                 state, metrics = step_fns.sft_update(state, batch)
                 history.append({k: float(v) for k, v in metrics.items()})
                 bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")
