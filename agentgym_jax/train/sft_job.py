@@ -1,0 +1,173 @@
+"""`mode=sft`: supervised fine-tuning on a weighted mix of environments.
+
+Data: trajectory JSONL files (`data.trajectories`, e.g. from `mode=collect`; failed episodes are
+dropped unless `data.include_failures`) and AgentGym conversation files (`data.agentgym`,
+AgentTraj-L style, imported with the loss on trained `gpt` turns only). Every row is tagged with
+its environment: the trajectory's `env`, the AgentGym item's `<env>_<id>`.
+
+The mixture rule (`mixture_schedule`): every row of every batch independently picks environment
+e with probability w_e / sum(w) (`data.weights`, "env=w,..."; empty: w_e = the env's row count,
+i.e. plain uniform sampling over rows), from a generator seeded by `seed`; within an environment,
+rows are taken in a seeded permutation without replacement, a new permutation once all its rows
+were used (an "epoch" of that environment). The whole schedule is fixed before training, so a
+resumed run takes exactly the batches of an uninterrupted one.
+
+Checkpoints (`checkpoints/<step>`, `(TrainState, {})`, loadable by `mode=eval` with
+`policy=checkpoint:<workdir>`), metrics (`metrics.jsonl`, TensorBoard; `rows/<env>` counts the
+rows of each environment in the step's batch), resume, and an optional greedy evaluation on
+`eval.num_tasks` held-out tasks of `env.name` at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import pathlib
+from collections.abc import Mapping
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from agentgym_jax.config import ConfigError
+from agentgym_jax.parallel.distributed import initialize_distributed
+from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
+from agentgym_jax.train import agentgym_format, build
+from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.train.jobs import evaluate, optim_config
+from agentgym_jax.train.metrics import MetricsLogger
+from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.steps import make_step_fns, train_state_shardings
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """`"webshop=2,alfworld=1"` -> {"webshop": 2.0, "alfworld": 1.0} (empty string: {})."""
+    weights = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        env, _, value = (x.strip() for x in part.partition("="))
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not env or weight < 0:
+            raise ConfigError(f"data.weights: expected 'env=weight,...' with weights >= 0, got {part!r} in {spec!r}")
+        weights[env] = weight
+    return weights
+
+
+def mixture_schedule(
+    sizes: Mapping[str, int], weights: Mapping[str, float], batch_size: int, steps: int, seed: int
+) -> list[list[tuple[str, int]]]:
+    """The (env, row index) of every row of every batch, `[steps][batch_size]`; see the module docstring."""
+    if set(weights) != set(sizes):
+        raise ConfigError(
+            f"data.weights names {sorted(weights)} but the data has environments {sorted(sizes)}; give every one a weight"
+        )
+    envs = sorted(e for e in sizes if weights[e] > 0 and sizes[e] > 0)
+    if not envs:
+        raise ConfigError(f"no environment with rows and a positive weight: sizes {dict(sizes)}, weights {dict(weights)}")
+    p = np.asarray([weights[e] for e in envs], np.float64)
+    picks = np.random.default_rng(seed).choice(len(envs), size=(steps, batch_size), p=p / p.sum())  # [steps, batch]
+    drawn = [0] * len(envs)
+    orders: dict[tuple[int, int], np.ndarray] = {}
+    schedule = []
+    for row_picks in picks:
+        rows = []
+        for k in row_picks:
+            epoch, offset = divmod(drawn[k], sizes[envs[k]])
+            if (k, epoch) not in orders:
+                orders[(k, epoch)] = np.random.default_rng([seed, k, epoch]).permutation(sizes[envs[k]])
+            rows.append((envs[k], int(orders[(k, epoch)][offset])))
+            drawn[k] += 1
+        schedule.append(rows)
+    return schedule
+
+
+def load_rows(config: ml_collections.ConfigDict, framing) -> dict[str, list[Trajectory]]:
+    """Every training row, grouped by environment, in file order."""
+    rows: dict[str, list[Trajectory]] = collections.defaultdict(list)
+    for path in _paths(config.data.trajectories):
+        for t in read_jsonl(path):
+            if (t.success or config.data.include_failures) and any(t.loss_mask):
+                rows[t.env].append(t)
+    for path in _paths(config.data.agentgym):
+        for t in agentgym_format.import_file(path, framing):
+            if t.success or config.data.include_failures:
+                rows[t.env].append(t)
+    if not rows:
+        raise ConfigError("mode=sft found no training rows: set data.trajectories and/or data.agentgym")
+    return dict(rows)
+
+
+def run(config: ml_collections.ConfigDict) -> dict[str, float]:
+    initialize_distributed()
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        urls = stack.enter_context(build.environment_urls(config.env)) if config.eval.num_tasks else []
+        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        framing = build.tokenizer_and_framing(config, workdir, _conversation_texts(config))
+        rows = load_rows(config, framing)
+        model = build.model_config(config, len(framing.tokenizer))
+        longest, top_id = max(len(t.token_ids) for r in rows.values() for t in r), max(max(t.token_ids) for r in rows.values() for t in r)
+        if top_id >= model.vocab_size:
+            raise ConfigError(f"a trajectory holds token id {top_id} >= the model's vocab_size {model.vocab_size}: "
+                              "trajectory files must come from the configured tokenizer")
+        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
+        weights = parse_weights(config.data.weights) or {e: float(len(r)) for e, r in rows.items()}
+        schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
+                                    config.train.steps, config.seed)
+        update_config = build.update_config(config, model)
+        params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        tx = make_optimizer(optim_config(config.optim, config.train.steps))
+        state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
+        shardings = train_state_shardings(state, mesh)
+        state = jax.device_put(state, shardings)
+        step_fns = make_step_fns(update_config, mesh, shardings)
+        ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+        stack.callback(ckpt.close)
+        start = ckpt.latest_step or 0
+        if start:
+            (state, _), _ = ckpt.restore((state, {}))
+            logging.info("resumed SFT at step %d", start)
+
+        seq_len = bucket(longest)  # one shape for every batch: one compilation
+        pad = framing.tokenizer.pad_token_id or 0
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start)
+        for step in range(start, config.train.steps):
+            picked = schedule[step]
+            batch = make_token_batch([rows[e][i] for e, i in picked], seq_len,
+                                     step_fns.padded_rows(config.train.batch_size), pad)
+            state, metrics = step_fns.sft_update(state, batch)
+            counts = collections.Counter(e for e, _ in picked)
+            logger.log(step + 1, {**jax.device_get(metrics), **{f"rows/{e}": counts[e] for e in rows}})
+            ckpt.save(step + 1, (state, {}), {"step": step + 1}, force=step + 1 == config.train.steps)
+        logger.close()
+
+        result = {}
+        if config.eval.num_tasks:
+            info = build.fetch_task_info(config.env, urls)
+            engine = stack.enter_context(build.make_engine(
+                config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+            ))
+            test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
+            result = evaluate(engine, state.params, test_ids, config.eval.horizon, config.seed)
+            (workdir / "eval.json").write_text(json.dumps(result, indent=2))
+            print(f"summary: env={info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
+    return result
+
+
+def _paths(spec: str) -> list[str]:
+    return [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def _conversation_texts(config: ml_collections.ConfigDict) -> list[str] | None:
+    """Message texts of the AgentGym files: what a job-built tokenizer learns from."""
+    texts = [turn["value"] for path in _paths(config.data.agentgym) for item in agentgym_format.read_file(path)
+             for turn in item.get("conversations") or [] if isinstance(turn, Mapping)]
+    return texts or None
+
