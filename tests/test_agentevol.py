@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.markers import long_test
+
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.agentevol import keep_successes, merge_dedup
@@ -52,6 +54,7 @@ TINY = {"agentevol.iterations": 2, "agentevol.explore_tasks": 2, "agentevol.samp
         "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8}
 
 
+@long_test  # about 8 minutes on a loaded 2-core machine
 @pytest.mark.slow
 def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     workdir = tmp_path / "run"
@@ -83,6 +86,7 @@ LEARN = {"agentevol.iterations": 2, "agentevol.explore_tasks": 32, "agentevol.sa
          "sft.num_tasks": 8, "sft.epochs": 30, "sft.batch_size": 8, "eval.num_tasks": 32}
 
 
+@long_test  # about 12 minutes on a loaded 2-core machine; margin measured on one seed only
 @pytest.mark.slow
 def test_second_iteration_beats_behaviour_cloning(tmp_path):
     """8 oracle demonstrations give a weak BC policy; exploring 32 training tasks x 4 samples at

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+
+from tests.markers import long_test
 import tiny_hf
 
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -88,6 +90,7 @@ def test_jitted_objective_matches_float64_reference_and_one_update_raises_the_ma
     assert float(loss_after) < np.log(2)
 
 
+@long_test
 @pytest.mark.xfail(reason="known bug: mode=dpo logs a NaN loss from step 1 (the jitted steps alone are finite); not found yet", strict=True)
 def test_dpo_job_trains_and_resumes(hf_dir, tmp_path):
     folder, _ = hf_dir
