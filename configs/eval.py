@@ -57,4 +57,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.top_k = 0
     config.rollout.top_p = 1.0
     config.rollout.action_format = "Action: {action}"  # how the oracle's actions are phrased
+    config.rollout.straggler_wait_s = 0.05  # sample for arrived episodes after this wait
+    config.rollout.lock_step = False  # True: every turn waits for all episodes (reproducible sampling)
     return config
