@@ -33,6 +33,12 @@ def parse_thought_action(text: str) -> str | None:
     return None
 
 
+def every_kth_held_out(num_tasks: int, every: int) -> dict[str, list[int]]:
+    """Train/test splits holding out every `every`-th task id: sorted, the same in every process."""
+    ids = range(num_tasks)
+    return {"train": [i for i in ids if i % every], "test": [i for i in ids if i % every == 0]}
+
+
 class Environment(abc.ABC):
     """One episode of one environment. Subclasses set the class attributes and the methods."""
 

@@ -15,6 +15,7 @@ import functools
 import random
 
 from agentgym_jax.envs.protocol import TaskInfo
+from environments.base import every_kth_held_out
 from environments.maze import layouts
 from environments.maze.env import MazeEnv
 from environments.maze.layouts import Layout, Position
@@ -77,7 +78,7 @@ class RoomEnv(MazeEnv):
             env=cls.name,
             instruction=cls.instruction,
             success_threshold=cls.success_threshold,
-            splits={"train": [i for i in ids if i % 4], "test": [i for i in ids if i % 4 == 0]},
+            splits=every_kth_held_out(NUM_TASKS, 4),
             num_tasks=NUM_TASKS,
             metadata={"layout": [i // TASKS_PER_LAYOUT for i in ids], "max_steps": MAX_STEPS},
         )

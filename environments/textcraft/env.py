@@ -20,7 +20,7 @@ import re
 from typing import ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
-from environments.base import Environment, parse_thought_action
+from environments.base import Environment, every_kth_held_out, parse_thought_action
 from environments.textcraft import planner
 from environments.textcraft.recipes import Cookbook, Recipe, cookbook, display_name, item_id
 
@@ -81,10 +81,7 @@ class TextCraftEnv(Environment):
             env=cls.name,
             instruction=cls.instruction,
             success_threshold=cls.success_threshold,
-            splits={
-                "train": [i for i in ids if i % TEST_EVERY != 0],
-                "test": [i for i in ids if i % TEST_EVERY == 0],
-            },
+            splits=every_kth_held_out(len(ids), TEST_EVERY),
             num_tasks=len(goals),
             has_oracle=cls.has_oracle,
             metadata={"depth": [int(cookbook().depth[g]) for g in goals]},

@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
-from environments.base import Environment, parse_thought_action
+from environments.base import Environment, every_kth_held_out, parse_thought_action
 from environments.wordle import solver
 from environments.wordle.feedback import consistent, encode, feedback
 from environments.wordle.words import LENGTH, allowed_words, answer_words
@@ -93,10 +93,7 @@ class WordleEnv(Environment):
             env=cls.name,
             instruction=cls.instruction,
             success_threshold=cls.success_threshold,
-            splits={
-                "train": [i for i in ids if i % TEST_EVERY != 0],
-                "test": [i for i in ids if i % TEST_EVERY == 0],
-            },
+            splits=every_kth_held_out(len(ids), TEST_EVERY),
             num_tasks=len(ids),
             has_oracle=cls.has_oracle,
             metadata={"max_guesses": MAX_GUESSES, "num_allowed_words": len(allowed_words())},
