@@ -115,7 +115,7 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask):
+    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
         """x [batch, seq, hidden]; `layer_cache` None or this layer's cached (k, v), visible by
         `cache_mask` [batch, seq, slots]. Returns the attention output and, with a cache, the
         chunk's new (k, v) [batch, seq, kv_heads, head_dim] for the caller to write.
@@ -131,9 +131,18 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if layer_cache is None:
             segments, new_kv = ((k, v, mask),), None
-        else:  # the cached keys (read only) and the chunk's own, which the caller writes after
+        elif x.shape[1] == 1:  # decode: the cached keys (read only) and the new one, written after
             cache_k, cache_v = layer_cache
             segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), cache_mask), (k, v, mask))
+            new_kv = (k, v)
+        else:  # a chunk: write it into a local copy of this layer's slice (slots >= index are empty
+            # and masked), so attention spans max_len keys, not max_len + seq (twice for a prefill)
+            cache_k, cache_v = (
+                jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, index, 0, 0))
+                for buf, new in zip(layer_cache, (k, v))
+            )
+            chunk_mask = jax.lax.dynamic_update_slice(cache_mask, mask, (0, 0, index))
+            segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), chunk_mask),)
             new_kv = (k, v)
         out = grouped_attention(q, segments)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
@@ -162,10 +171,10 @@ class Block(nn.Module):
     activation_sharding: jax.sharding.Sharding | None = None
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask):
+    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h, new_kv = Attention(c, name="attn", **kw)(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, cache_mask
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, cache_mask, index
         )
         x = x + h
         x = x + MLP(c, name="mlp", **kw)(RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
@@ -195,9 +204,10 @@ class Decoder(nn.Module):
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
         mask = attention_mask(positions, positions)  # [batch, seq, seq]: the chunk's own keys
-        layer_cache = cache_mask = None
+        layer_cache = cache_mask = index = None
         if cache is not None:  # the cached keys; slots >= index are still empty (position -1)
             layer_cache, cache_mask = (cache.k, cache.v), attention_mask(positions, cache.positions)
+            index = cache.index
 
         block = nn.remat(Block, prevent_cse=False) if self.remat else Block
         # The cache is a scanned input (each layer reads its slice) and only the chunk's new keys
@@ -207,10 +217,10 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c, self.dtype, self.param_dtype, self.activation_sharding, name="layers")
-        x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask)
+        x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask, index)
         hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
 
         if c.tie_word_embeddings:
