@@ -41,14 +41,10 @@ def dataset_records(records: list[Trajectory], envs: list[str], only_successful:
 
 def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
     out_dir = pathlib.Path(config.out_dir)
-    job.check_run_spec(config, out_dir)
-    with job.server_urls(config) as urls:
-        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
-        schedule = {env: job.task_ids(config, info) for env, info in infos.items()}
-        policy, framing = job.make_policy(config, infos, out_dir)
-        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+    with job.open_job(config, out_dir) as run_job:
+        infos, framing = run_job.infos, run_job.framing
         records = asyncio.run(play_all(
-            policy, pools, infos, schedule, out_dir, samples_per_task=config.samples_per_task,
+            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
             batch_episodes=config.batch_episodes,
         ))

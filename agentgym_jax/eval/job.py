@@ -14,9 +14,11 @@ policy or schedule is refused rather than mixing records.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +166,26 @@ def checkpoint_params(directory: pathlib.Path, step: int, model, mesh, dtype):
     params = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
     shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
     return jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x, dtype), s), params, shardings)
+
+
+@dataclasses.dataclass
+class Job:
+    """What an eval or collect run plays: per environment its task info, task ids and pool."""
+
+    infos: dict[str, TaskInfo]
+    schedule: dict[str, list[int]]
+    policy: Policy
+    framing: ChatFraming | None
+    pools: dict[str, Any]
+
+
+@contextlib.contextmanager
+def open_job(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> Iterator[Job]:
+    """Checks the run folder, reaches (or starts) the servers and builds the policy and pools."""
+    check_run_spec(config, out_dir)
+    with server_urls(config) as urls:
+        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
+        schedule = {env: task_ids(config, info) for env, info in infos.items()}
+        policy, framing = make_policy(config, infos, out_dir)
+        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+        yield Job(infos, schedule, policy, framing, pools)

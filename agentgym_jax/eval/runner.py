@@ -24,7 +24,6 @@ from agentgym_jax.eval import job
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
 from agentgym_jax.rollout.collect import Policy, collect, resume_jsonl
-from agentgym_jax.train import build
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
 SCHEDULE_NAME = "schedule.json"  # what `load_summary` (and `eval/compare.py`) needs to recount a run
@@ -87,14 +86,10 @@ def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
 
 def run(config: ml_collections.ConfigDict) -> EvalSummary:
     out_dir = pathlib.Path(config.out_dir)
-    job.check_run_spec(config, out_dir)
-    with job.server_urls(config) as urls:
-        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
-        schedule = {env: job.task_ids(config, info) for env, info in infos.items()}
-        policy, _ = job.make_policy(config, infos, out_dir)
-        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+    with job.open_job(config, out_dir) as run_job:
+        infos = run_job.infos
         summary = evaluate(
-            policy, pools, infos, schedule, out_dir, samples_per_task=config.samples_per_task,
+            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
             batch_episodes=config.batch_episodes,
         )
