@@ -29,7 +29,10 @@ ENVS = [
     "textworld",  # TextWorld game generator (Inform 7 compiler bundled) and Jericho z-machine player
     "textarena",  # TextArena single-player games
 ]
-TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0"]
+TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
+# Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
+TPU = ["jax[tpu]"]
+CUDA = ["jax[cuda12]"]
 
 setuptools.setup(
     name="agentgym_jax",
@@ -39,5 +42,5 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"envs": ENVS, "test": ENVS + TEST, "all": ENVS + TEST},
+    extras_require={"envs": ENVS, "test": ENVS + TEST, "all": ENVS + TEST, "tpu": TPU, "cuda": CUDA},
 )
