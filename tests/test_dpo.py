@@ -122,7 +122,7 @@ def test_pairs_only_from_tasks_with_both_outcomes_deterministically():
 def test_pair_batches_align_rows():
     pairs = dpo_pairs.build_pairs([traj(1, S.SUCCESS, 0, n=5), traj(1, S.FAILURE, 1, n=3), traj(2, S.FAILURE, 0, n=4),
                                    traj(2, S.SUCCESS, 1, n=2)])  # fmt: skip
-    chosen, rejected = dpo_pairs.pair_batches(pairs, batch_size=4)
+    chosen, rejected = dpo_pairs.pair_batches(pairs, rows=4)
     assert chosen.shape == rejected.shape == (4, 16)
     np.testing.assert_array_equal(chosen.tokens[0, :5], [10, 11, 12, 13, 14])
     np.testing.assert_array_equal(rejected.tokens[0, :3], [10, 11, 12])

@@ -1,28 +1,30 @@
 """mode=dpo: the jitted DPO objective against a float64 reference on an independent (PyTorch)
 forward pass, one update raises the chosen-vs-rejected margin, and the job runs and resumes."""
 
-import json
+import shutil
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from tests.markers import long_test
 import tiny_hf
 
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.models.hf_checkpoint import load_pretrained
+from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
 from agentgym_jax.train import dpo_job
-from agentgym_jax.train.dpo_pairs import build_pairs
+from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
+from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.state import TrainState
 from agentgym_jax.train.steps import UpdateConfig
 from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]
 BETA = 0.5
+STEPS, KILLED_AFTER = 5, 3
 
 
 def _trajectory(rng, task_id, success, sample_idx):
@@ -90,29 +92,83 @@ def test_jitted_objective_matches_float64_reference_and_one_update_raises_the_ma
     assert float(loss_after) < np.log(2)
 
 
-@long_test
-@pytest.mark.xfail(reason="known bug: mode=dpo logs a NaN loss from step 1 (the jitted steps alone are finite); not found yet", strict=True)
-def test_dpo_job_trains_and_resumes(hf_dir, tmp_path):
-    folder, _ = hf_dir
-    data = tmp_path / "collected.jsonl"
-    write_jsonl(str(data), _trajectories(seed=2, tasks=8), append=False)
+def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_dir):
+    """The NaN of mode=dpo: its batches were padded with the tokenizer's pad id, which transformers
+    puts at id len(vocab) (here 96 = the model's vocab_size) for a tokenizer without one. Its
+    embedding is NaN, and attention's 0 * NaN on masked keys spreads it to every row."""
+    folder, hf_model = hf_dir
+    model, params = load_pretrained(folder)
+    pad = load_tokenizer(folder).pad_token_id
+    assert pad is None or pad >= VOCAB  # the trap: a tokenizer pad id the model cannot embed
+    pairs = build_pairs(_trajectories(seed=3, tasks=3))
+    fns = dpo_job.make_dpo_step_fns(UpdateConfig(model=model), BETA)
+
+    # The cause: rows padded with an out-of-vocabulary id score NaN, padding rows and real rows alike.
+    bad_c = make_token_batch([p.chosen for p in pairs], 32, 4, pad_id=VOCAB)
+    bad_r = make_token_batch([p.rejected for p in pairs], 32, 4, pad_id=VOCAB)
+    assert not np.isfinite(np.asarray(fns.reference(params, bad_c, bad_r)[0])[: len(pairs), 1:]).any()  # entry 0: no prefix
+
+    # The job's batches (padding rows included): only in-vocabulary ids, and every row scores as
+    # the float64 PyTorch forward of that row alone, which never sees the padding.
+    chosen, rejected = pair_batches(pairs, 32, 4)
+    assert int(np.max(chosen.tokens)) < VOCAB and int(np.max(rejected.tokens)) < VOCAB
+    for batch, logprobs in zip((chosen, rejected), fns.reference(params, chosen, rejected)):
+        sums = (np.asarray(logprobs) * np.asarray(batch.loss_mask)).sum(1)
+        np.testing.assert_allclose(sums[: len(pairs)], _logprob_sums_f64(hf_model, batch)[: len(pairs)], rtol=1e-5, atol=1e-4)
+        assert np.isfinite(np.asarray(logprobs)).all()
+
+
+def _dpo_config(folder, data, workdir):
     config = dpo_config.get_config()
-    config.workdir = str(tmp_path / "run")
+    config.workdir = str(workdir)
     config.model.hf_dir = str(folder)
     config.data.trajectories = str(data)
     config.dpo.beta = BETA
     config.optim.lr = 1e-3
     config.train.batch_size = 4
+    config.train.steps = STEPS
     config.train.checkpoint_every = 1
-    config.train.steps = 3
+    config.train.keep_checkpoints = STEPS
+    return config
+
+
+@pytest.mark.slow
+def test_dpo_job_loss_is_finite_margin_rises_and_an_interrupted_run_resumes_exactly(hf_dir, tmp_path):
+    folder, _ = hf_dir
+    data = tmp_path / "collected.jsonl"
+    write_jsonl(str(data), _trajectories(seed=2, tasks=4), append=False)  # 4 pairs: one batch each step
+    config = _dpo_config(folder, data, tmp_path / "run")
     dpo_job.run(config)
-    config.train.steps = 5  # the same run, longer: continues after step 3
-    final = dpo_job.run(config)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert records[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)  # reference = starting policy
-    assert final["reward_margin"] > 0 and final["reward_accuracy"] > 0.5
-    assert (tmp_path / "run" / "checkpoints" / "5").is_dir() and (tmp_path / "run" / "tokenizer").is_dir()
+    straight = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in straight] == list(range(1, STEPS + 1))
+    assert all(np.isfinite(r[k]) for r in straight for k in ("loss", "reward_margin", "grad_norm"))
+    assert straight[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)  # reference = starting policy
+    assert straight[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    margins = [r["reward_margin"] for r in straight]
+    assert all(b > a for a, b in zip(margins, margins[1:])), margins  # the same 4 pairs every step
+    assert straight[-1]["reward_accuracy"] == 1.0 and straight[-1]["loss"] < straight[0]["loss"]
+    assert (tmp_path / "run" / "tokenizer").is_dir()
+
+    # A kill after checkpoint KILLED_AFTER leaves that checkpoint and the metrics logged so far:
+    # the same command continues from it and takes exactly the uninterrupted run's later steps.
+    for step in range(KILLED_AFTER + 1, STEPS + 1):
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / str(step))
+    dpo_job.run(config)
+    resumed = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))[STEPS:]
+    assert [r["step"] for r in resumed] == list(range(KILLED_AFTER + 1, STEPS + 1))
+    for a, b in zip(straight[KILLED_AFTER:], resumed):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    assert (tmp_path / "run" / "checkpoints" / str(STEPS)).is_dir()
+
+
+def test_trajectories_from_another_tokenizer_are_a_clear_error(hf_dir, tmp_path):
+    folder, _ = hf_dir
+    data = tmp_path / "collected.jsonl"
+    trajectories = _trajectories(tasks=2)
+    trajectories[1].token_ids[-1] = VOCAB + 5  # a token the model has no embedding for
+    write_jsonl(str(data), trajectories, append=False)
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 5} >= the model's vocab_size {VOCAB}"):
+        dpo_job.run(_dpo_config(folder, data, tmp_path / "run"))
 
 
 def test_dpo_job_without_pairs_is_a_clear_error(tmp_path):

@@ -118,7 +118,6 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             state, history = sft_train(
                 _sft_state(config, init, num_rows=len(data)), data, update_config,
                 batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed + it, mesh=mesh,
-                pad_id=_pad_id(framing),
             )
             result = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             record = {
@@ -131,11 +130,6 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             print(f"agentevol: iteration={it} train_trajectories={len(data)} "
                   f"heldout_success={result['success_rate']:.3f}", flush=True)
     return {it: json.loads((workdir / f"iter_{it}" / "eval.json").read_text())["eval"] for it in range(evol.iterations + 1)}
-
-
-def _pad_id(framing) -> int:
-    pad = framing.tokenizer.pad_token_id
-    return 0 if pad is None else pad
 
 
 def _sft_state(config: ml_collections.ConfigDict, params, num_rows: int) -> TrainState:

@@ -40,12 +40,12 @@ from agentgym_jax.parallel.distributed import initialize_distributed
 from agentgym_jax.parallel.mesh import BATCH_AXES, make_mesh
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rl.dpo import dpo_loss
-from agentgym_jax.rollout.batch import TokenBatch, bucket, make_token_batch
+from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train import build
 from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.dpo_pairs import build_pairs
-from agentgym_jax.train.jobs import optim_config, task_batch
+from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
+from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_shardings
@@ -124,8 +124,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     with contextlib.ExitStack() as stack:
         init = pathlib.Path(config.init) if config.init else None
-        tokenizer = load_tokenizer(build.tokenizer_dir(config, init or workdir))  # pad id; copied for mode=eval
+        tokenizer = load_tokenizer(build.tokenizer_dir(config, init or workdir))  # copied for mode=eval
         model = load_config(init) if init else build.model_config(config, len(tokenizer))
+        check_token_ids((t for pair in pairs for t in pair), model.vocab_size)
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
         dtype = jnp.dtype(config.model.param_dtype)
         if init:
@@ -153,13 +154,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         seq_len = bucket(max(len(t.token_ids) for pair in pairs for t in pair))  # one shape: one compilation
         shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
         rows = -(-config.train.batch_size // shards) * shards  # empty rows, so rows divide over the mesh
-        pad = tokenizer.pad_token_id or 0
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start)
         metrics: dict[str, float] = {}
         for step in range(start, config.train.steps):
             picked = [pairs[i] for i in task_batch(range(len(pairs)), step, config.train.batch_size, config.seed)]
-            chosen = make_token_batch([p.chosen for p in picked], seq_len, rows, pad)
-            rejected = make_token_batch([p.rejected for p in picked], seq_len, rows, pad)
+            chosen, rejected = pair_batches(picked, seq_len, rows)
             ref_chosen, ref_rejected = fns.reference(ref_params, chosen, rejected)
             state, step_metrics = fns.update(state, DPOBatch(chosen, rejected, ref_chosen, ref_rejected))
             metrics = logger.log(step + 1, jax.device_get(step_metrics))

@@ -44,13 +44,19 @@ def build_pairs(trajectories: Iterable[Trajectory]) -> list[PreferencePair]:
 
 
 def pair_batches(
-    pairs: Sequence[PreferencePair], batch_size: int | None = None, pad_id: int = 0
+    pairs: Sequence[PreferencePair], seq_len: int | None = None, rows: int | None = None
 ) -> tuple[TokenBatch, TokenBatch]:
-    """(chosen, rejected) token batches, row i of each from pair i, padded to one bucketed length."""
+    """(chosen, rejected) token batches `[rows, seq_len]`, row i of each from pair i.
+
+    `seq_len` defaults to the bucket of the longest trajectory, `rows` to `len(pairs)` (more rows
+    are empty padding). Padding holds token id 0, never the tokenizer's pad id: padded slots are
+    neither attended nor scored, but their embeddings are still looked up, and a pad id outside
+    the model's vocabulary (transformers adds `<|endoftext|>` at id `len(vocab)` to tokenizers
+    without a pad token) embeds as NaN, which the attention's `0 * NaN` spreads to every row.
+    """
     if not pairs:
         raise ValueError("no preference pairs (need tasks with both a success and a failure)")
-    longest = max(len(t.token_ids) for pair in pairs for t in pair)
-    seq_len = bucket(longest)
-    chosen = make_token_batch([p.chosen for p in pairs], seq_len, batch_size, pad_id)
-    rejected = make_token_batch([p.rejected for p in pairs], seq_len, batch_size, pad_id)
+    seq_len = seq_len or bucket(max(len(t.token_ids) for pair in pairs for t in pair))
+    chosen = make_token_batch([p.chosen for p in pairs], seq_len, rows)
+    rejected = make_token_batch([p.rejected for p in pairs], seq_len, rows)
     return chosen, rejected

@@ -38,7 +38,7 @@ from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
 from agentgym_jax.train import agentgym_format, build
 from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.jobs import evaluate, optim_config
+from agentgym_jax.train.jobs import check_token_ids, evaluate, optim_config
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
@@ -113,10 +113,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         framing = build.tokenizer_and_framing(config, workdir, _conversation_texts(config))
         rows = load_rows(config, framing)
         model = build.model_config(config, len(framing.tokenizer))
-        longest, top_id = max(len(t.token_ids) for r in rows.values() for t in r), max(max(t.token_ids) for r in rows.values() for t in r)
-        if top_id >= model.vocab_size:
-            raise ConfigError(f"a trajectory holds token id {top_id} >= the model's vocab_size {model.vocab_size}: "
-                              "trajectory files must come from the configured tokenizer")
+        check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
         weights = parse_weights(config.data.weights) or {e: float(len(r)) for e, r in rows.items()}
         schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
@@ -135,13 +132,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, _), _ = ckpt.restore((state, {}))
             logging.info("resumed SFT at step %d", start)
 
-        seq_len = bucket(longest)  # one shape for every batch: one compilation
-        pad = framing.tokenizer.pad_token_id or 0
+        seq_len = bucket(max(len(t.token_ids) for r in rows.values() for t in r))  # one shape: one compilation
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start)
         for step in range(start, config.train.steps):
             picked = schedule[step]
-            batch = make_token_batch([rows[e][i] for e, i in picked], seq_len,
-                                     step_fns.padded_rows(config.train.batch_size), pad)
+            batch = make_token_batch([rows[e][i] for e, i in picked], seq_len, step_fns.padded_rows(config.train.batch_size))
             state, metrics = step_fns.sft_update(state, batch)
             counts = collections.Counter(e for e, _ in picked)
             logger.log(step + 1, {**jax.device_get(metrics), **{f"rows/{e}": counts[e] for e in rows}})
