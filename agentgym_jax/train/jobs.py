@@ -4,12 +4,13 @@ greedy evaluation and its metrics, optimizer settings."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
+from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
@@ -27,6 +28,15 @@ def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int)
         epoch, offset = divmod(cursor, len(ids))
         out.append(int(ids[np.random.default_rng([seed, epoch]).permutation(len(ids))[offset]]))
     return out
+
+
+def check_token_ids(trajectories: Iterable[Trajectory], vocab_size: int) -> None:
+    """Refuses token ids outside the model's vocabulary (files from another tokenizer): their
+    embedding lookup is NaN, and attention spreads it to the whole batch."""
+    top = max((max(t.token_ids, default=0) for t in trajectories), default=0)
+    if top >= vocab_size:
+        raise ConfigError(f"a trajectory holds token id {top} >= the model's vocab_size {vocab_size}: "
+                          "trajectory files must come from the configured tokenizer")
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

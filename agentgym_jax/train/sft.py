@@ -27,7 +27,6 @@ def sft_train(
     batch_size: int,
     epochs: int,
     seed: int,
-    pad_id: int = 0,
     progress: bool = True,
     mesh: Mesh | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
@@ -52,7 +51,7 @@ def sft_train(
             order = rng.permutation(len(trajectories))
             for start in range(0, len(order), batch_size):
                 rows = [trajectories[i] for i in order[start : start + batch_size]]
-                batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch, pad_id=pad_id)
+                batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch)  # pads with id 0, inside any vocabulary
                 state, metrics = step_fns.sft_update(state, batch)
                 history.append({k: float(v) for k, v in metrics.items()})
                 bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")
