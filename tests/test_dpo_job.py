@@ -24,7 +24,7 @@ from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]
 BETA = 0.5
-STEPS, KILLED_AFTER = 5, 3
+STEPS, KILLED_AFTER = 4, 2  # checkpoints at steps 2 and 4
 
 
 def _trajectory(rng, task_id, success, sample_idx):
@@ -127,7 +127,7 @@ def _dpo_config(folder, data, workdir):
     config.optim.lr = 1e-3
     config.train.batch_size = 4
     config.train.steps = STEPS
-    config.train.checkpoint_every = 1
+    config.train.checkpoint_every = KILLED_AFTER
     config.train.keep_checkpoints = STEPS
     return config
 
@@ -151,8 +151,7 @@ def test_dpo_job_loss_is_finite_margin_rises_and_an_interrupted_run_resumes_exac
 
     # A kill after checkpoint KILLED_AFTER leaves that checkpoint and the metrics logged so far:
     # the same command continues from it and takes exactly the uninterrupted run's later steps.
-    for step in range(KILLED_AFTER + 1, STEPS + 1):
-        shutil.rmtree(tmp_path / "run" / "checkpoints" / str(step))
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / str(STEPS))
     dpo_job.run(config)
     resumed = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))[STEPS:]
     assert [r["step"] for r in resumed] == list(range(KILLED_AFTER + 1, STEPS + 1))

@@ -54,21 +54,31 @@ from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_s
 @flax.struct.dataclass
 class DPOBatch:
     chosen: TokenBatch  # [pairs, seq]
-    rejected: TokenBatch  # [pairs, seq]
+    rejected: TokenBatch  # [pairs, seq], the same shape (`dpo_pairs.pair_batches`)
     chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
     rejected_ref_logprobs: jax.Array  # [pairs, seq]
 
 
+def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
+    """Log-probs of every token of the chosen and rejected rows, each [pairs, seq].
+
+    One forward over the rows of both (`[2 * pairs, seq]`): half the program of two forwards, so
+    the update compiles in about half the time.
+    """
+    tokens = jnp.concatenate([chosen.tokens, rejected.tokens])  # [2 * pairs, seq]
+    positions = jnp.concatenate([chosen.positions, rejected.positions])
+    logprobs = token_logprobs(params, tokens, positions, config)[0]
+    return logprobs[: chosen.tokens.shape[0]], logprobs[chosen.tokens.shape[0] :]
+
+
 def reference_logprobs(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
-    """Reference log-probs of every token of the chosen and rejected rows, each [pairs, seq]."""
-    score = lambda b: token_logprobs(ref_params, b.tokens, b.positions, config)[0]  # noqa: E731
-    return score(chosen), score(rejected)
+    """Frozen-reference log-probs of the chosen and rejected rows, each [pairs, seq] (no gradient)."""
+    return jax.lax.stop_gradient(pair_logprobs(ref_params, chosen, rejected, config))
 
 
 def dpo_objective(params: Any, batch: DPOBatch, config: UpdateConfig, beta: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The DPO loss of `rl/dpo.py` under `params`, and its metrics."""
-    chosen_logprobs = token_logprobs(params, batch.chosen.tokens, batch.chosen.positions, config)[0]
-    rejected_logprobs = token_logprobs(params, batch.rejected.tokens, batch.rejected.positions, config)[0]
+    chosen_logprobs, rejected_logprobs = pair_logprobs(params, batch.chosen, batch.rejected, config)
     loss, metrics = dpo_loss(
         chosen_logprobs, batch.chosen_ref_logprobs, batch.chosen.loss_mask,
         rejected_logprobs, batch.rejected_ref_logprobs, batch.rejected.loss_mask, beta=beta,
