@@ -26,8 +26,11 @@ import ray
 from agentgym_jax.envs.launcher import LocalServers
 
 _SOURCE_ROOT = pathlib.Path(__file__).resolve().parents[2]  # holds agentgym_jax/ and environments/
-SHIPPED_CODE = {"py_modules": [str(_SOURCE_ROOT / "agentgym_jax"), str(_SOURCE_ROOT / "environments")],
-            "excludes": ["__pycache__"]}
+# `ray.init(runtime_env=SHIPPED_CODE)`: every worker imports the driver's copy of both packages.
+SHIPPED_CODE = {
+    "py_modules": [str(_SOURCE_ROOT / "agentgym_jax"), str(_SOURCE_ROOT / "environments")],
+    "excludes": ["__pycache__"],
+}
 
 
 @dataclasses.dataclass(frozen=True)
