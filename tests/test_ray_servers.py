@@ -1,13 +1,20 @@
 """Environment servers as Ray actors on a local Ray: real room servers, real episodes through
 `EnvPool`, one actor killed (only its episodes end `infra_error`), nothing left running after.
 
-One test, so that the ~12 s of `ray.init` is paid once (pytest-xdist would split tests of a
-module over workers, each starting its own Ray)."""
+The library test is one test, so that the ~12 s of `ray.init` is paid once (pytest-xdist would
+split tests of a module over workers, each starting its own Ray); the command-line script starts
+a Ray of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -16,6 +23,7 @@ import ray
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.envs.ray_servers import SHIPPED_CODE, RayEnvServers
+from tests.servers import REPO
 from tests.test_launcher import port_open, wait_closed
 
 SLOTS = 4  # slots 0, 2 on the first server, 1, 3 on the second (`EnvPool`: slot % len(urls))
@@ -104,3 +112,36 @@ def test_room_servers_as_ray_actors():
     while ray_children() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_children() == []
+
+
+@pytest.mark.slow
+def test_cli_prints_the_urls_flag_and_stops_everything_on_sigterm():
+    """`launch/ray_env_servers.py --address=local`: its own one-machine Ray, gone after SIGTERM."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "launch" / "ray_env_servers.py"), "--env=room", "--num_servers=1",
+         "--address=local", "--host=127.0.0.1", "--num_cpus=0.5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("serving until Ctrl-C"):
+                break
+        flag = next((x.strip() for x in lines if x.startswith("--config.env.urls=")), None)
+        assert flag, "".join(lines) + f"exit code {process.poll()}"
+        url = flag.split("=", 1)[1]
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            assert json.load(answer)["env"] == "room"
+        descendants = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        assert descendants  # Ray's processes and the server
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert not port_open(url)
+        assert all(wait_gone(pid, within_s=15) for pid in descendants)
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
