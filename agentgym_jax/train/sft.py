@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.state import TrainState
-from agentgym_jax.train.steps import UpdateConfig, make_step_fns, train_state_shardings
+from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
 
 
 def sft_train(
@@ -29,18 +29,21 @@ def sft_train(
     seed: int,
     progress: bool = True,
     mesh: Mesh | None = None,
+    step_fns: StepFns | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update.
 
     With a `mesh`, the state is placed by `train_state_shardings` and batch rows are split over
-    ("data", "fsdp") (batches padded with empty rows to a multiple of that split).
+    ("data", "fsdp") (batches padded with empty rows to a multiple of that split). `step_fns`
+    (`make_step_fns` for the same config and mesh) reuses compiled updates across calls; they
+    compile once only for states with the same optimizer object (`TrainState.tx` is static).
     """
     if not trajectories:
         raise ValueError("SFT needs at least one trajectory")
     shardings = None if mesh is None else train_state_shardings(state, mesh)
     if shardings is not None:
         state = jax.device_put(state, shardings)
-    step_fns = make_step_fns(config, mesh, shardings)
+    step_fns = step_fns or make_step_fns(config, mesh, shardings)
     rows_per_batch = step_fns.padded_rows(batch_size)
     seq_len = bucket(max(len(t.token_ids) for t in trajectories))
     rng = np.random.default_rng(seed)
