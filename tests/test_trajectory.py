@@ -72,5 +72,6 @@ def test_token_batch_puts_the_reward_on_the_last_policy_token_and_pads_inertly()
     np.testing.assert_array_equal(batch.positions[2], list(range(7)) + [-1] * 9)
 
 
-def test_bucket_is_a_power_of_two_at_least_the_length():
-    assert [bucket(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+def test_bucket_is_the_smallest_power_of_two_or_one_and_a_half_times_one_at_least_the_length():
+    assert [bucket(n) for n in (1, 16, 17, 24, 25, 100, 128, 129, 300, 385)] == [16, 16, 24, 24, 32, 128, 128, 192, 384, 512]
+    assert bucket(5, minimum=64) == 64 and bucket(65, minimum=64) == 96

@@ -32,8 +32,15 @@ class TokenBatch:
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """The smallest power of two >= max(n, minimum): few distinct shapes, so few compilations."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
+    """The smallest length >= max(n, minimum) of the form 2^k or 3 * 2^(k-1) (16, 24, 32, 48, ...).
+
+    Few distinct shapes, so few compilations, and at most a third of a row is padding: attention
+    cost grows with the square of the length, so padding 300 tokens to 384 rather than 512 saves
+    almost half of it.
+    """
+    n = max(n, minimum)
+    power = 1 << max(0, n - 1).bit_length()  # smallest power of two >= n
+    return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
 
 
 def make_token_batch(

@@ -29,9 +29,9 @@ MAX_STEPS = 12
 MIN_DISTANCE, MAX_DISTANCE = 2, 7
 
 INSTRUCTION = f"""\
-Reach the goal square of a small room. Each turn you are told where the goal is from you and \
-which sides of your square are walls; a move into a wall leaves you in place. You have \
-{MAX_STEPS} moves. Actions: move up, move down, move left, move right.
+Reach the goal in a small room. Each turn says where the goal is and which sides of your square \
+are walls (a move into a wall does nothing). You have {MAX_STEPS} moves: move up, move down, \
+move left, move right.
 Answer with:
 Action: <one action>"""
 _SIDES = (("up", (-1, 0)), ("down", (1, 0)), ("left", (0, -1)), ("right", (0, 1)))
