@@ -50,6 +50,10 @@ where=(--zone="$ZONE" ${PROJECT:+--project="$PROJECT"})
 launch=$(printf '%q ' "$PYTHON" -m agentgym_jax.launch --config="$CONFIG" "$@")
 remote="cd $(printf '%q' "$REMOTE_DIR")"
 if [[ ${INSTALL:-1} == 1 ]]; then
+  if ! git rev-parse --verify -q HEAD >/dev/null; then
+    echo "error: $(pwd) is not a git checkout with a commit (the workers get its committed tree)" >&2
+    exit 1
+  fi
   if [[ -n $(git status --porcelain --untracked-files=no) ]]; then
     echo "warning: uncommitted changes are not shipped (the workers get HEAD $(git rev-parse --short HEAD))" >&2
   fi

@@ -22,6 +22,9 @@ SLURM = REPO / "launch" / "slurm_gpu.sbatch"
 OVERRIDES = ["--config.workdir=/mnt/runs/my run", "--config.env.urls=http://10.0.0.1:8000,http://10.0.0.2:8000",
              "--config.note=it's $HOME *"]
 
+# The TPU script ships the committed tree (`git archive HEAD`), so its runs need a git checkout.
+needs_git = pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git checkout")
+
 _RECORDER = """#!{python}
 import json, os, shutil, subprocess, sys
 name = os.path.basename(sys.argv[0])
@@ -72,6 +75,7 @@ def test_scripts_parse(script):
 # -- Cloud TPU pod --------------------------------------------------------------------------------
 
 
+@needs_git
 def test_tpu_pod_dry_run_prints_the_commands_and_runs_nothing(fakes):
     env, read_log, _ = fakes
     done = _run(TPU_POD, ["configs/quickstart.py", *OVERRIDES],
@@ -89,6 +93,7 @@ def test_tpu_pod_dry_run_prints_the_commands_and_runs_nothing(fakes):
     assert shlex.split(setup[-1]) == ["python3", "-m", "pip", "install", "-q", "-e", ".[tpu,envs]", "-c", "constraints.txt"]
 
 
+@needs_git
 def test_tpu_pod_worker_runs_the_config_with_overrides_intact(fakes):
     """Runs the `--command` gcloud got in a fake worker home, through a real shell."""
     env, read_log, remote_home = fakes
@@ -111,8 +116,14 @@ def test_tpu_pod_worker_runs_the_config_with_overrides_intact(fakes):
     assert launch["argv"] == ["-m", "agentgym_jax.launch", "--config=configs/quickstart.py", *OVERRIDES]
 
 
-def test_tpu_pod_needs_its_settings(fakes):
+def test_tpu_pod_needs_its_settings(fakes, tmp_path):
     env, read_log, _ = fakes
+    not_git = tmp_path / "copy"
+    (not_git / "launch").mkdir(parents=True)
+    (not_git / "launch" / "tpu_pod.sh").write_text(TPU_POD.read_text())
+    outside = _run(not_git / "launch" / "tpu_pod.sh", ["configs/quickstart.py"],
+                   {**env, "TPU": "pod-a", "ZONE": "z", "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert outside.returncode == 1 and "not a git checkout" in outside.stderr
     no_zone = _run(TPU_POD, ["configs/quickstart.py"], {**env, "TPU": "pod-a"})
     assert no_zone.returncode != 0 and "ZONE" in no_zone.stderr
     no_config = _run(TPU_POD, [], {**env, "TPU": "pod-a", "ZONE": "z"})
