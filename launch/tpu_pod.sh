@@ -16,8 +16,8 @@
 #
 # Set: TPU (the TPU VM name), ZONE. Optional: PROJECT (gcloud project), REMOTE_DIR (default
 # agentgym_jax, relative to the workers' home), EXTRAS (default tpu,envs), PYTHON (the workers'
-# interpreter, default python3), INSTALL=0 to skip
-# copying and installing (re-runs), DRY_RUN=1 to print the gcloud commands instead of running them.
+# interpreter, default python3), INSTALL=0 to skip copying and installing (re-runs),
+# DRY_RUN=1 to print the commands instead of running them.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then

@@ -107,9 +107,7 @@ class RayEnvServers:
         """Starts every actor at once (spread over the nodes); returns the URLs once all are healthy."""
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised: call ray.init() (or ray.init(address='auto')) first")
-        actor_cls = ray.remote(
-            num_cpus=self.num_cpus, max_restarts=0, scheduling_strategy="SPREAD"
-        )(_ServerActor)
+        actor_cls = ray.remote(num_cpus=self.num_cpus, max_restarts=0, scheduling_strategy="SPREAD")(_ServerActor)
         try:
             self.actors = [actor_cls.remote(self.env, self.host, **self.server_kwargs) for _ in range(self.num_servers)]
             self.servers = ray.get([a.info.remote() for a in self.actors], timeout=self.startup_timeout_s + 30)
