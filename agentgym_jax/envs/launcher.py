@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Sequence
 import ml_collections
 from absl import logging
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.pool import EnvPool, Episode
 from agentgym_jax.envs.protocol import EpisodeStatus
 
@@ -219,7 +220,7 @@ def run(config: ml_collections.ConfigDict) -> None:
             print(f"{env}: {url}", flush=True)
         if config.play_oracle_episode:
             urls = servers.urls
-            episodes = asyncio.run(_gather(*(play_oracle_episode(url, config.auth_token) for url in urls.values())))
+            episodes = run_sync(_gather(*(play_oracle_episode(url, config.auth_token) for url in urls.values())))
             for env, episode in zip(urls, episodes):
                 success = episode.status is EpisodeStatus.SUCCESS
                 print(

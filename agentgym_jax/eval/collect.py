@@ -14,12 +14,12 @@ Writes to `out_dir`:
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 
 import ml_collections
 from absl import logging
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.eval import job
 from agentgym_jax.eval.runner import TRAJECTORIES_NAME, play_all
 from agentgym_jax.rollout.collect import last_attempts
@@ -43,7 +43,7 @@ def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
     out_dir = pathlib.Path(config.out_dir)
     with job.open_job(config, out_dir) as run_job:
         infos, framing = run_job.infos, run_job.framing
-        records = asyncio.run(play_all(
+        records = run_sync(play_all(
             run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
             batch_episodes=config.batch_episodes,

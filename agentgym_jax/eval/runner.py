@@ -10,7 +10,6 @@ summary.json, summary.md and the PNG plots to `out_dir`. Definitions: docs/evalu
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 from absl import logging
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.eval import job
@@ -67,7 +67,7 @@ def evaluate(
     schedule_record = {"samples_per_task": samples_per_task, "thresholds": thresholds,
                        "task_ids": {env: list(map(int, ids)) for env, ids in schedule.items()}}
     (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
-    records = asyncio.run(play_all(
+    records = run_sync(play_all(
         policy, pools, infos, schedule, out_dir, samples_per_task=samples_per_task, horizon=horizon,
         seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes, progress=progress,
     ))

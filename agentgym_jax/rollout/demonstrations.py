@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.pool import EnvPool, Episode
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.models.chat import ChatFraming
@@ -104,7 +105,7 @@ def collect_demonstrations(
         async with EnvPool(urls, **(pool_kwargs or {})) as pool:
             return await play_demonstrations(pool, framing, await pool.tasks(), task_ids, **kwargs)
 
-    return asyncio.run(play())
+    return run_sync(play())
 
 
 def _check_action_format(action_format: str) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from agentgym_jax.aio import LoopThread
 from agentgym_jax.envs.pool import EnvPool, SlotResult
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
@@ -132,9 +133,10 @@ class _Episode:
 class RolloutEngine:
     """Plays batches of episodes with one sampler over one `EnvPool`. See the module docstring.
 
-    `run` is synchronous: it drives the pool on the engine's own event loop and opens the pool
-    there on first use (pass an unopened `EnvPool`; `close()` closes it). Code that already runs
-    an event loop with an open pool awaits `run_async` instead. Slots are reused by the next call
+    `run` is synchronous, also in a notebook cell: it drives the pool on the engine's own event
+    loop (on a thread of its own) and opens the pool there on first use (pass an unopened
+    `EnvPool`; `close()` closes it). Code that already runs an event loop with an open pool awaits
+    `run_async` instead. Slots are reused by the next call
     (their sessions are reset, not reopened). `task_info=None` asks the pool's server for it.
     """
 
@@ -163,7 +165,7 @@ class RolloutEngine:
         self.task_info = task_info
         self.config = config
         self.last_stats: RolloutStats | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: LoopThread | None = None
         self._pool_opened = False
 
     def run(
@@ -182,11 +184,11 @@ class RolloutEngine:
         `group_offset + task index`, `sample_idx` the index within the group.
         """
         if self._loop is None:
-            self._loop = asyncio.new_event_loop()
+            self._loop = LoopThread("rollout-engine")
         if not self._pool_opened:
-            self._loop.run_until_complete(self.pool.__aenter__())
+            self._loop.run(self.pool.__aenter__())
             self._pool_opened = True
-        return self._loop.run_until_complete(
+        return self._loop.run(
             self.run_async(params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset)
         )
 
@@ -223,10 +225,9 @@ class RolloutEngine:
         if self._loop is None:
             return
         if self._pool_opened:
-            self._loop.run_until_complete(self.pool.close())
+            self._loop.run(self.pool.close())
             self._pool_opened = False
-        self._loop.run_until_complete(self._loop.shutdown_default_executor())  # the sampler's thread
-        self._loop.close()
+        self._loop.close()  # also joins the sampler's worker thread
         self._loop = None
 
     def __enter__(self) -> RolloutEngine:

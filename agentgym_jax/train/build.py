@@ -7,7 +7,6 @@ folder, or a random small model), the rollout engine and the update config.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
@@ -55,7 +55,7 @@ def fetch_task_info(env: ml_collections.ConfigDict, urls: Sequence[str]) -> Task
         async with make_pool(env, urls) as pool:
             return await pool.tasks()
 
-    return asyncio.run(ask())
+    return run_sync(ask())
 
 
 def tokenizer_dir(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:

@@ -3,13 +3,13 @@ greedy evaluation and its metrics, optimizer settings."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
@@ -67,7 +67,7 @@ def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: Ta
         async with build.make_pool(config.env, urls) as pool:
             return await play_oracle_episodes(pool, task_ids, action_format=config.rollout.action_format)
 
-    return asyncio.run(play())
+    return run_sync(play())
 
 
 def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
