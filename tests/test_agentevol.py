@@ -4,6 +4,7 @@ the second iteration beating behaviour cloning on held-out Room tasks."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,16 +50,26 @@ def _command(workdir, seed, **overrides):
     ]
 
 
-TINY = {"agentevol.iterations": 2, "agentevol.explore_tasks": 2, "agentevol.samples_per_task": 2,
-        "agentevol.horizon": 2, "sft.num_tasks": 2, "sft.epochs": 1, "eval.num_tasks": 2, "eval.horizon": 2,
-        "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8}
+# One CPU device, not the suite's eight: the sampler and update compile about twice as fast
+# (sharded updates have their own tests).
+ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+# As small as the path through the code allows: one exploration round of 2 episodes of one turn
+# (a 256-token cache holds the ~100-token prompt, prefilled as a 128-token chunk, and the turn).
+TINY = {"agentevol.iterations": 1, "agentevol.explore_tasks": 1, "agentevol.samples_per_task": 2,
+        "agentevol.horizon": 1, "sft.num_tasks": 2, "sft.epochs": 1, "eval.num_tasks": 1, "eval.horizon": 1,
+        "rollout.max_cache_len": 256, "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8}
 
 
-@long_test  # about 8 minutes on a loaded 2-core machine
+def _episodes(path):
+    """The explored episodes of a JSONL file without their wall-clock timings."""
+    return [{k: v for k, v in json.loads(line).items() if k != "timings"} for line in path.read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     workdir = tmp_path / "run"
-    proc = subprocess.Popen(_command(workdir, 0, **TINY), cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_command(workdir, 0, **TINY), cwd=REPO, env=ONE_DEVICE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (workdir / "iter_1" / "data.jsonl").exists():  # iteration 1 explored, not yet trained
@@ -67,30 +78,47 @@ def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (workdir / "checkpoints" / "1").exists()
+    explored_before = workdir / "iter_1" / "explored.before.jsonl"
+    shutil.copy(workdir / "iter_1" / "explored.jsonl", explored_before)
     data_before = (workdir / "iter_1" / "data.jsonl").read_text()
     eval_0 = (workdir / "iter_0" / "eval.json").stat().st_mtime_ns
 
-    resumed = subprocess.run(_command(workdir, 0, **TINY), cwd=REPO, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(_command(workdir, 0, **TINY), cwd=REPO, env=ONE_DEVICE, capture_output=True,
+                             text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("agentevol:")]
-    assert [line.split()[1] for line in lines] == ["iteration=1", "iteration=2"]  # iteration 0 not redone
+    assert [line.split()[1] for line in lines] == ["iteration=1"]  # iteration 0 not redone
     assert (workdir / "iter_0" / "eval.json").stat().st_mtime_ns == eval_0
-    # Exploration is a function of (restored iteration-0 params, seed, iteration): the same data again.
+    # Exploration is a function of (restored iteration-0 params, seed, iteration): the same sampled
+    # episodes (temperature 1, token for token) and the same training set again.
+    explored = _episodes(workdir / "iter_1" / "explored.jsonl")
+    assert len(explored) == 2 and all(e["status"] == "max_turns" and e["turn_spans"] for e in explored)
+    assert explored == _episodes(explored_before)
     assert (workdir / "iter_1" / "data.jsonl").read_text() == data_before
     progress = json.loads((workdir / "progress.json").read_text())
-    assert progress["completed"] == 2 and sorted(progress["iterations"]) == ["0", "1", "2"]
-    assert all((workdir / "checkpoints" / str(i)).is_dir() for i in range(3))
+    assert progress["completed"] == 1 and sorted(progress["iterations"]) == ["0", "1"]
+    assert progress["iterations"]["1"]["explored_episodes"] == 2
+    assert all((workdir / "checkpoints" / str(i)).is_dir() for i in range(2))
 
 
 LEARN = {"agentevol.iterations": 2, "agentevol.explore_tasks": 32, "agentevol.samples_per_task": 4,
          "sft.num_tasks": 8, "sft.epochs": 30, "sft.batch_size": 8, "eval.num_tasks": 32}
 
 
-@long_test  # about 12 minutes on a loaded 2-core machine; margin measured on one seed only
+# Not reliable within the CI budget (see the docstring): about 12 minutes on a loaded 2-core
+# machine, margin measured on one seed only.
+@long_test
 @pytest.mark.slow
 def test_second_iteration_beats_behaviour_cloning(tmp_path):
     """8 oracle demonstrations give a weak BC policy; exploring 32 training tasks x 4 samples at
-    temperature 1 and retraining on the successes raises held-out (greedy) success."""
+    temperature 1 and retraining on the successes raises held-out (greedy) success.
+
+    Shrunk variants measured (32 held-out tasks, success of iterations 0 / 1 / 2, seed 0, 1 CPU
+    device, load ~7 on 2 cores): horizon 8 for exploration and evaluation, 512-token cache:
+    0.125 / 0.188 / 0.125 in 222 s; the same with 20 SFT epochs at lr 5e-3 and exploration at
+    temperature 0.7: 0.000 / 0.000 / 0.000 in 179 s (a degenerate greedy policy). Neither beats
+    behaviour cloning, and either alone is over the 4-minute budget, so this test stays long.
+    """
     run = subprocess.run(_command(tmp_path, 0, **LEARN), cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     iterations = json.loads((tmp_path / "progress.json").read_text())["iterations"]

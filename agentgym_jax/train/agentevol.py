@@ -10,7 +10,8 @@ from the base model (`agentevol.from_base`, the paper's choice) or continuing fr
 i - 1; then evaluated greedily on held-out test tasks. (AgentGym's released code explores
 greedily, one sample per task; the paper samples.)
 
-Files: `iter_<i>/data.jsonl` (the training set of iteration i), `iter_<i>/eval.json`,
+Files: `iter_<i>/explored.jsonl` (every explored episode), `iter_<i>/data.jsonl` (the training
+set of iteration i), `iter_<i>/eval.json`,
 `checkpoints/<i>` (the orbax train state of iteration i; `mode=eval` loads it with
 `policy=checkpoint:<workdir> checkpoint_step=<i>`), `progress.json` (per-iteration summary).
 An iteration is complete when its checkpoint exists (orbax renames a finished save into place,
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 import ml_collections
+import optax
 from absl import logging
 
 from agentgym_jax.envs.protocol import TaskInfo
@@ -41,7 +43,7 @@ from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, task_batch
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import train_state_shardings
+from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 
 def keep_successes(trajectories: Iterable[Trajectory], success_threshold: float) -> list[Trajectory]:
@@ -85,11 +87,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         model = build.model_config(config, len(framing.tokenizer))
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
         update_config = build.update_config(config, model)
-        base_params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        state = _sft_state(config, base_params, num_rows=len(demos))
-        state = jax.device_put(state, train_state_shardings(state, mesh))
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
+        base_params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        tx = _optimizer(config, max_rows=len(demos) + len(explore_ids) * evol.samples_per_task)
+        fresh_state = lambda params: TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))  # noqa: E731
+        state = fresh_state(base_params)
+        shardings = train_state_shardings(state, mesh)
+        state = jax.device_put(state, shardings)
+        step_fns = make_step_fns(update_config, mesh, shardings)  # one compiled update for every iteration
         eval_engine = stack.enter_context(build.make_engine(
             config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
@@ -110,14 +116,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
                     state.params, explore_ids, evol.horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), it),
                     policy_version=it - 1,
                 )
+                write_jsonl(str(it_dir / "explored.jsonl"), trajectories, append=False)
                 explored = keep_successes(trajectories, info.success_threshold)
             data = merge_dedup(demos, explored)
             write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
             init = base_params if evol.from_base or it == 0 else state.params
             init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
             state, history = sft_train(
-                _sft_state(config, init, num_rows=len(data)), data, update_config,
-                batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed + it, mesh=mesh,
+                fresh_state(init), data, update_config, batch_size=config.sft.batch_size,
+                epochs=config.sft.epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
             )
             result = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             record = {
@@ -132,11 +139,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
     return {it: json.loads((workdir / f"iter_{it}" / "eval.json").read_text())["eval"] for it in range(evol.iterations + 1)}
 
 
-def _sft_state(config: ml_collections.ConfigDict, params, num_rows: int) -> TrainState:
-    """A fresh optimizer (schedule over this iteration's updates) around `params`."""
-    updates = config.sft.epochs * -(-num_rows // config.sft.batch_size)
-    tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
-    return TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
+def _optimizer(config: ml_collections.ConfigDict, max_rows: int) -> optax.GradientTransformation:
+    """The optimizer of every iteration's training (each starts from a fresh optimizer state).
+
+    One object for all iterations, so the jitted update compiles once (`TrainState.tx` is static).
+    Its schedule spans the largest possible iteration (`max_rows`: the demonstrations plus every
+    explored episode); with the default constant learning rate that is no approximation.
+    """
+    updates = config.sft.epochs * -(-max_rows // config.sft.batch_size)
+    return make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
 
 
 def _write_progress(workdir: pathlib.Path, last: int, info: TaskInfo, test_ids: Sequence[int]) -> None:
