@@ -10,7 +10,7 @@ import pytest
 import tiny_hf
 
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
-from agentgym_jax.models.decoder import forward, init_cache
+from agentgym_jax.models.decoder import forward, init_cache, unstack_layers
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 
 FAMILIES = sorted(tiny_hf.FAMILIES)
@@ -88,6 +88,39 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family):
     assert rel_error(got[valid], np.asarray(full)[valid]) <= 1e-5
     want = tiny_hf.logits(hf_model, np.where(valid, tokens, 0), totals)
     assert rel_error(got[valid], want[valid]) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_as_a_loop_match_the_scan(models, family):
+    """`unstack_layers` params (the sampler's decode loop) give the scan's logits and cache.
+
+    The two forms take different attention paths (the loop writes a decode step's key into the
+    stacked cache first; the scan attends to cache and new key as two blocks), so this checks the
+    cache layout and write positions of both, for a padded chunk and three single-token steps.
+    """
+    _, config, params = models[family]
+    unstacked = unstack_layers(params)
+    assert "layers" not in unstacked and f"layers_{config.num_layers - 1}" in unstacked
+    layer0, stacked = jax.tree.leaves(unstacked["layers_0"]), jax.tree.leaves(params["layers"])
+    assert [x.shape for x in layer0] == [x.shape[1:] for x in stacked]
+    rng = np.random.default_rng(2)
+    lengths = np.array([CHUNK, 3, 5])
+    chunk = rng.integers(3, config.vocab_size, (3, CHUNK)).astype(np.int32)
+    steps = [(chunk, right_padded(chunk, lengths))] + [
+        (rng.integers(3, config.vocab_size, (3, 1)).astype(np.int32), (lengths + t)[:, None].astype(np.int32))
+        for t in range(3)
+    ]
+    caches = [init_cache(config, batch=3, max_len=2 * CHUNK)] * 2
+    for tokens, positions in steps:
+        (want, caches[0]), (got, caches[1]) = (
+            jit_forward(p, tokens, positions, c, config=config) for p, c in zip((params, unstacked), caches)
+        )
+        real = positions >= 0
+        assert rel_error(np.asarray(got)[real], np.asarray(want)[real]) <= 1e-5
+    assert int(caches[1].index) == int(caches[0].index) == CHUNK + 3
+    for name in ("k", "v"):
+        assert rel_error(np.asarray(getattr(caches[1], name)), np.asarray(getattr(caches[0], name))) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(caches[1].positions), np.asarray(caches[0].positions))
 
 
 @pytest.mark.parametrize("param_dtype, compute_dtype", [("bfloat16", None), ("float32", "bfloat16")])

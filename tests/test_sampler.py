@@ -50,13 +50,13 @@ def toy_params(seed: int = 0, shift: bool = False) -> dict[str, jax.Array]:
 
 def toy_forward(params, tokens, positions, cache: KVCache):
     """One attention layer over the cache (causal by position) plus a bigram table."""
-    start = (0, 0, cache.index, 0, 0)
-    k = jax.lax.dynamic_update_slice(cache.k, params["k"][tokens][None, :, :, None], start)
-    v = jax.lax.dynamic_update_slice(cache.v, params["v"][tokens][None, :, :, None], start)
+    start = (0, 0, 0, cache.index, 0)
+    k = jax.lax.dynamic_update_slice(cache.k, params["k"][tokens][None, :, None], start)
+    v = jax.lax.dynamic_update_slice(cache.v, params["v"][tokens][None, :, None], start)
     key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
-    scores = jnp.einsum("btd,bsd->bts", params["q"][tokens], k[0, :, :, 0]) / np.sqrt(DIM)
+    scores = jnp.einsum("btd,bsd->bts", params["q"][tokens], k[0, :, 0]) / np.sqrt(DIM)
     scores = jnp.where(attention_mask(positions, key_positions), scores, -1e9)
-    mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v[0, :, :, 0])
+    mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v[0, :, 0])
     logits = mixed @ params["out"] + params["bigram"][tokens]
     return logits, KVCache(k, v, key_positions, cache.index + tokens.shape[1])
 
@@ -342,7 +342,7 @@ def test_greedy_equals_transformers_generate(qwen2):
     # and MLP over tensor), rows over data, key/value heads over tensor.
     mesh = make_mesh(data=4, fsdp=1, tensor=2)
     shardings = SamplerShardings.for_mesh(mesh, params, config)
-    kv = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+    kv = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))
     assert shardings.cache.k.is_equivalent_to(kv, 5)
     sharded = Sampler.for_decoder(config, greedy, max_cache_len=128, shardings=shardings)
     params = jax.device_put(params, shardings.params)

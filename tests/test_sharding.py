@@ -131,7 +131,7 @@ def test_sharded_init_and_sharded_cache_continuation():
     step = functools.partial(forward, config=config)
     cache = init_cache(config, BATCH, 16)
     c_shard = cache_shardings(cache, mesh)
-    assert c_shard.k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert c_shard.k.spec == P(None, ("data", "fsdp"), "tensor", None, None)
     sharded_step = jax.jit(
         step, in_shardings=(param_shardings(params, mesh), batch_sharding(mesh), batch_sharding(mesh), c_shard),
         out_shardings=(batch_sharding(mesh), c_shard),

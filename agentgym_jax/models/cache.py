@@ -1,7 +1,9 @@
 """The KV cache: an explicit pytree passed into and returned from the decoder.
 
 All rows share one write pointer (`index`), so appending a chunk is one `dynamic_update_slice`
-with static shapes. Rows of different lengths are right-padded inside a chunk; a padded slot
+with static shapes. Keys and values are stored head-major, `[layers, batch, kv_heads, max_len,
+head_dim]`: the layout attention's batched dots consume, so no step transposes a layer's cache
+before attending. Rows of different lengths are right-padded inside a chunk; a padded slot
 keeps position -1 and is never attended to. Attention reads `positions`, not slot order:
 a query at position p sees the cached keys with 0 <= position <= p in its own row. This is what
 lets the sampler append each episode's environment tokens (different lengths per row) and keep
@@ -17,8 +19,8 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
-    v: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    k: jax.Array  # [layers, batch, kv_heads, max_len, head_dim]
+    v: jax.Array  # [layers, batch, kv_heads, max_len, head_dim]
     positions: jax.Array  # [batch, max_len] int32; -1 marks an empty or padded slot
     index: jax.Array  # [] int32; next slot to write, shared by all rows
 
@@ -32,7 +34,7 @@ class KVCache:
         head_dim: int,
         dtype: jnp.dtype = jnp.float32,
     ) -> KVCache:
-        shape = (num_layers, batch, max_len, kv_heads, head_dim)
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),

@@ -72,26 +72,27 @@ def grouped_attention(
 ) -> jax.Array:
     """Softmax attention where each group of query heads shares one key/value head.
 
-    q [batch, seq, heads, head_dim]; `segments` are (k, v [batch, keys_i, kv_heads, head_dim],
+    q [batch, seq, heads, head_dim]; `segments` are (k, v [batch, kv_heads, keys_i, head_dim],
     mask [batch, seq, keys_i]) blocks of keys that one softmax spans, e.g. the cached keys and
     the chunk's own new ones: attending to each block where it lies is what spares a decode step
-    from copying the cache to append its key first. Returns [batch, seq, heads, head_dim].
+    from copying the cache to append its key first. Keys are head-major (the cache's layout), so
+    the batched dots read them in place. Returns [batch, seq, heads, head_dim].
     """
     batch, seq, heads, head_dim = q.shape
-    kv_heads = segments[0][0].shape[2]
+    kv_heads = segments[0][0].shape[1]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
     scores = [
         jnp.where(
             mask[:, None, None],
-            jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5,
+            jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5,
             _MASKED,
         )
         for k, _, mask in segments
     ]
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [batch, kv, group, seq, keys]
-    splits = np.cumsum([k.shape[1] for k, _, _ in segments])[:-1]
+    splits = np.cumsum([k.shape[2] for k, _, _ in segments])[:-1]
     out = sum(
-        jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
+        jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v)
         for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), segments)
     )
     return out.reshape(batch, seq, heads, head_dim)
@@ -110,16 +111,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; with a cache, also the chunk's keys and values to store.
+
+    `layer=None` (under `nn.scan`): `layer_cache` is this layer's cached (k, v) [batch, kv_heads,
+    slots, head_dim], read only, and the chunk's new (k, v) [batch, kv_heads, seq, head_dim] are
+    returned for the caller to write. `layer=i` (layers as a Python loop): `layer_cache` is the
+    whole stacked (k, v) [layers, batch, kv_heads, slots, head_dim]; the chunk is written into
+    layer i in place and the updated stack is returned.
+    """
+
     config: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    layer: int | None = None
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
-        """x [batch, seq, hidden]; `layer_cache` None or this layer's cached (k, v), visible by
-        `cache_mask` [batch, seq, slots]. Returns the attention output and, with a cache, the
-        chunk's new (k, v) [batch, seq, kv_heads, head_dim] for the caller to write.
-        """
+        """x [batch, seq, hidden]; cached keys are visible by `cache_mask` [batch, seq, slots]."""
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         q = nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x)
@@ -129,22 +137,28 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.param_dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # head-major, like the cache
         if layer_cache is None:
-            segments, new_kv = ((k, v, mask),), None
-        elif x.shape[1] == 1:  # decode: the cached keys (read only) and the new one, written after
+            out = grouped_attention(q, ((k, v, mask),))
+            new_kv = None
+        elif self.layer is None and x.shape[1] == 1:
+            # decode under the scan: the cached keys (read only) and the new one, written after
             cache_k, cache_v = layer_cache
             segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), cache_mask), (k, v, mask))
-            new_kv = (k, v)
-        else:  # a chunk: write it into a local copy of this layer's slice (slots >= index are empty
-            # and masked), so attention spans max_len keys, not max_len + seq (twice for a prefill)
-            cache_k, cache_v = (
-                jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, index, 0, 0))
-                for buf, new in zip(layer_cache, (k, v))
+            out, new_kv = grouped_attention(q, segments), (k, v)
+        else:
+            # write the chunk first (slots >= index are empty and masked), then attend over the
+            # layer's slots: max_len keys, not max_len + seq (twice for a prefill). Under the scan
+            # the write goes into a local copy of the layer's slice; in the loop, into the stack.
+            start = (0, 0, index, 0) if self.layer is None else (self.layer, 0, 0, index, 0)
+            chunk = (k, v) if self.layer is None else (k[None], v[None])
+            written = tuple(
+                jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start) for buf, new in zip(layer_cache, chunk)
             )
+            cache_k, cache_v = written if self.layer is None else (buf[self.layer] for buf in written)
             chunk_mask = jax.lax.dynamic_update_slice(cache_mask, mask, (0, 0, index))
-            segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), chunk_mask),)
-            new_kv = (k, v)
-        out = grouped_attention(q, segments)
+            out = grouped_attention(q, ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), chunk_mask),))
+            new_kv = (k, v) if self.layer is None else written
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
         return out, new_kv
 
@@ -169,11 +183,12 @@ class Block(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     activation_sharding: jax.sharding.Sharding | None = None
+    layer: int | None = None  # set when the layers run as a Python loop (see `Attention`)
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, new_kv = Attention(c, name="attn", **kw)(
+        h, new_kv = Attention(c, layer=self.layer, name="attn", **kw)(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, cache_mask, index
         )
         x = x + h
@@ -184,13 +199,18 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32."""
+    """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32.
+
+    `scan_layers=False` runs the layers as a Python loop over per-layer parameters `layers_<i>`
+    (see `unstack_layers`) instead of `nn.scan` over the stacked `layers`.
+    """
 
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     remat: bool = False
     activation_sharding: jax.sharding.Sharding | None = None
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None):
@@ -210,17 +230,24 @@ class Decoder(nn.Module):
             index = cache.index
 
         block = nn.remat(Block, prevent_cse=False) if self.remat else Block
-        # The cache is a scanned input (each layer reads its slice) and only the chunk's new keys
-        # and values come out, [layers, batch, seq, kv_heads, head_dim]: a step never copies the
-        # cache through the scan; the new keys go in below with one in-place update.
-        layers = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-        )(c, self.dtype, self.param_dtype, self.activation_sharding, name="layers")
-        x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask, index)
+        block_args = (c, self.dtype, self.param_dtype, self.activation_sharding)
+        # Under the scan the cache is a read-only input (each layer reads its slice) and only the
+        # chunk's new keys and values come out, [layers, batch, kv_heads, seq, head_dim]: a step
+        # never copies the cache through the scan; they go in below with one in-place update.
+        if self.scan_layers:
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+            )(*block_args, name="layers")
+            x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask, index)
+        else:  # each layer writes its keys into the stacked cache in place, then attends
+            for i in range(c.num_layers):
+                x, layer_cache = block(*block_args, layer=i, name=f"layers_{i}")(
+                    x, layer_cache, cos, sin, mask, cache_mask, index
+                )
         hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
 
         if c.tie_word_embeddings:
@@ -231,12 +258,12 @@ class Decoder(nn.Module):
             "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
         )
         new_cache = None
-        if cache is not None:  # write the chunk at slots index .. index + seq
-            index = cache.index
-            write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, 0, index, 0, 0))
+        if cache is not None:  # the chunk goes at slots index .. index + seq
+            write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, 0, 0, index, 0))
+            k, v = (write(cache.k, new_kv[0]), write(cache.v, new_kv[1])) if self.scan_layers else layer_cache
             new_cache = KVCache(
-                k=write(cache.k, new_kv[0]),
-                v=write(cache.v, new_kv[1]),
+                k=k,
+                v=v,
                 positions=jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index)),
                 index=index + tokens.shape[1],
             )
@@ -276,6 +303,22 @@ def value_head(params: Params, hidden: jax.Array) -> jax.Array:
     return values + head["bias"].astype(jnp.float32)
 
 
+def unstack_layers(params: Params) -> Params:
+    """The same parameters with the stacked `layers` split into `layers_0 .. layers_{L-1}`.
+
+    `forward` on these runs the layers as a Python loop, each reading its own weight arrays.
+    Under `nn.scan` a step reads layer i's weights through a dynamic slice of the stack, which
+    XLA CPU materialises: inside a decode loop that copies every weight once per token. The
+    sampler unstacks once per turn, outside its loop (`sampler.decode`).
+    """
+    params = dict(params)
+    stacked = params.pop("layers")
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(num_layers):
+        params[f"layers_{i}"] = jax.tree.map(lambda x: x[i], stacked)
+    return params
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
     """An empty cache (all positions -1) for `batch` rows of up to `max_len` tokens."""
     return KVCache.init(config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim, dtype)
@@ -300,12 +343,16 @@ def forward(
     advanced by seq. Without one, attention stays within the given rows (training).
     `dtype` is the compute dtype (default: the parameters' dtype); `remat` recomputes each layer's
     activations in the backward pass; `activation_sharding` pins the residual stream
-    [batch, seq, hidden] (see `parallel.partition.activation_sharding`).
+    [batch, seq, hidden] (see `parallel.partition.activation_sharding`). `params` may have their
+    layers stacked (`layers`, as initialised and loaded) or split by `unstack_layers`.
     Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
     [batch, seq, hidden] (input of `value_head`) when `return_hidden`.
     """
     backbone = {name: p for name, p in params.items() if name != "value_head"}
     dtype = dtype or backbone["embed"]["embedding"].dtype
-    model = Decoder(config, dtype=dtype, remat=remat, activation_sharding=activation_sharding)
+    model = Decoder(
+        config, dtype=dtype, remat=remat, activation_sharding=activation_sharding,
+        scan_layers="layers" in backbone,
+    )
     logits, hidden, new_cache = model.apply({"params": backbone}, tokens, positions, cache)
     return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)

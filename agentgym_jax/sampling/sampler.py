@@ -40,6 +40,8 @@ from agentgym_jax.sampling.step import Params, StepFn, decoder_step
 
 # (batch, max_len) -> an empty cache
 InitCacheFn = Callable[[int, int], KVCache]
+# params -> the form the step reads inside the decode loop (e.g. `decoder.unstack_layers`)
+LoopParamsFn = Callable[[Params], Params]
 
 
 class StopReason(enum.IntEnum):
@@ -107,6 +109,7 @@ def append_chunk(
 def decode(
     step_fn: StepFn,
     config: SamplingConfig,
+    loop_params_fn: LoopParamsFn | None,
     params: Params,
     cache: KVCache,
     logits: jax.Array,
@@ -118,7 +121,10 @@ def decode(
 
     Returns the cache (every sampled token written), the next-token logits, the updated live mask
     (rows that hit CACHE_FULL drop out) and (tokens, count, logprobs, raw_logprobs, stop).
+    `loop_params_fn` reshapes the params once, before the loop, into what every step reads.
     """
+    if loop_params_fn is not None:
+        params = loop_params_fn(params)
     batch, width = logits.shape[0], config.max_new_tokens
     eot_ids = jnp.asarray(config.eot_ids or (-1,), jnp.int32)
     limit = jnp.minimum(limit, width)
@@ -174,7 +180,7 @@ def decode(
 def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with `max_len` slots; the new slots are empty (position -1)."""
     extra = max_len - cache.max_len
-    pad_kv = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+    pad_kv = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
     return cache.replace(
         k=jnp.pad(cache.k, pad_kv),
         v=jnp.pad(cache.v, pad_kv),
@@ -241,7 +247,9 @@ class Sampler:
 
     `step_fn` runs the model on new tokens and returns one position's logits per row (see
     `sampling.step`: `decoder_step` or `from_forward(forward_fn)` for any model with the
-    decoder's `forward` signature); `init_cache_fn(batch, max_len)` makes an empty cache. Batch sizes, chunk lengths
+    decoder's `forward` signature); `init_cache_fn(batch, max_len)` makes an empty cache;
+    `loop_params_fn` (optional) maps the params, once per turn, to the form the decode loop's
+    steps read (`for_decoder`: `decoder.unstack_layers`). Batch sizes, chunk lengths
     and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
@@ -259,6 +267,7 @@ class Sampler:
         chunk_buckets: Sequence[int] | None = None,
         cache_buckets: Sequence[int] | None = None,
         shardings: SamplerShardings | None = None,
+        loop_params_fn: LoopParamsFn | None = None,
     ):
         self.config = config
         self.max_cache_len = max_cache_len
@@ -288,7 +297,7 @@ class Sampler:
             donate_argnums=(1, 2),
         )
         self._decode = jit(
-            functools.partial(decode, step_fn, config),
+            functools.partial(decode, step_fn, config, loop_params_fn),
             ("params", "cache", "batch", "batch", "batch", "replicated"),
             ("cache", "batch", "batch", ("batch",) * 5),
             donate_argnums=(1, 2),
@@ -312,7 +321,8 @@ class Sampler:
         step_fn = decoder_step(model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None)
         init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
         return cls(
-            step_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings, **buckets_kw
+            step_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings,
+            loop_params_fn=decoder.unstack_layers, **buckets_kw,
         )
 
     def _vocab(self, params: Params, cache: KVCache) -> int:
