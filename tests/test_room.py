@@ -53,3 +53,27 @@ def test_observations_give_the_goal_relative_to_you_and_the_walls_beside_you():
     assert env.step("move right").observation == "Goal: 2 down, 2 right. Walls: up."
     env.start(layout, (3, 4), (3, 2))
     assert env.observation() == "Goal: 2 left. Walls: left."  # (3, 3) is the obstacle in row 3
+
+
+def test_progress_earns_partial_credit_and_only_success_reaches_one():
+    env = room.RoomEnv()
+    layout = room.room_layout(0)
+    env.start(layout, (1, 1), (3, 4))  # 5 moves apart, no obstacle on the way
+    rewards = [env.step(a).reward for a in ("move right", "move up", "move left", "move down")]
+    assert rewards == [room.PROGRESS_REWARD, 0.0, -room.PROGRESS_REWARD, room.PROGRESS_REWARD]  # up: a wall
+    path = ["move right"] * 3 + ["move down"] * 2
+    env.start(layout, (1, 1), (3, 4))
+    results = [env.step(a) for a in path]
+    assert [r.reward for r in results[:-1]] == [room.PROGRESS_REWARD] * 4
+    assert results[-1].info["success"] and sum(r.reward for r in results) == 1.0  # exactly
+    # Every oracle episode sums to exactly 1; a failed one stays below.
+    for task_id in range(0, room.NUM_TASKS, 7):
+        env.reset(task_id)
+        total, done = 0.0, False
+        while not done:
+            result = env.step(env.oracle_action())
+            total, done = total + result.reward, result.done
+        assert result.info["success"] and total == 1.0
+    env.start(layout, (1, 1), (3, 4))
+    failed = [env.step("move right") for _ in range(room.MAX_STEPS)]
+    assert failed[-1].done and not failed[-1].info["success"] and sum(r.reward for r in failed) < 1.0

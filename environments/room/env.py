@@ -7,14 +7,23 @@ room is open, and each observation says where the goal lies relative to you and 
 walls, in a few tokens; choosing a move towards the goal that no wall blocks is most of the
 skill. `NUM_LAYOUTS` seeded rooms, `TASKS_PER_LAYOUT` start/goal pairs on each; every fourth
 task id is held out for the test split (same rooms, unseen start/goal pairs).
+
+Partial credit: each move earns `PROGRESS_REWARD` times the change in shortest-path distance to
+the goal (negative when it moves away), and reaching the goal earns the rest of 1. An episode's
+reward (the sum) is 1 exactly on success and at most `PROGRESS_REWARD * (MAX_DISTANCE - 1)` < 1
+otherwise, so success (reward >= `success_threshold` = 1) is unchanged, while episodes that all
+fail still differ: a group-relative estimator (GRPO) gets a learning signal from every task, not
+only from tasks where some samples happen to succeed. Multiples of 1/8 add exactly in floating
+point, so the sum is never 0.999... on success.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
-from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import every_kth_held_out
 from environments.maze import layouts
 from environments.maze.env import MazeEnv
@@ -27,6 +36,7 @@ SIZE = 6  # open cells per side
 OBSTACLES = 3
 MAX_STEPS = 12
 MIN_DISTANCE, MAX_DISTANCE = 2, 7
+PROGRESS_REWARD = 0.125  # per step of shortest-path progress; a power of two, so sums are exact
 
 INSTRUCTION = f"""\
 Reach the goal in a small room. Each turn says where the goal is and which sides of your square \
@@ -86,6 +96,22 @@ class RoomEnv(MazeEnv):
     @classmethod
     def task_setup(cls, data_idx: int) -> tuple[Layout, Position, Position]:
         return room_task(data_idx)
+
+    def start(self, layout: Layout, start: Position, goal: Position) -> str:
+        observation = super().start(layout, start, goal)
+        self._credited = 0.0  # reward paid so far this episode
+        return observation
+
+    def step(self, action: str) -> StepResult:
+        """The Maze's step, with partial credit for progress (see the module docstring)."""
+        before = self._dist[self.position]
+        result = super().step(action)
+        if self.verify():
+            reward = 1.0 - self._credited
+        else:
+            reward = PROGRESS_REWARD * (before - self._dist[self.position])
+        self._credited += reward
+        return dataclasses.replace(result, reward=reward)
 
     def _describe(self) -> str:
         """E.g. "Goal: 2 up, 3 right. Walls: left." (relative, so a move is read off directly)."""
