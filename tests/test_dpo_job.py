@@ -1,5 +1,6 @@
 """mode=dpo: the jitted DPO objective against a float64 reference on an independent (PyTorch)
-forward pass, one update raises the chosen-vs-rejected margin, and the job runs and resumes."""
+forward pass, one update raises the chosen-vs-rejected margin, padding that cannot turn into NaN
+(the job's former NaN loss), and the job end to end: finite loss, rising margin, exact resume."""
 
 import shutil
 
@@ -109,7 +110,7 @@ def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_d
     assert not np.isfinite(np.asarray(fns.reference(params, bad_c, bad_r)[0])[: len(pairs), 1:]).any()  # entry 0: no prefix
 
     # The job's batches (padding rows included): only in-vocabulary ids, and every row scores as
-    # the float64 PyTorch forward of that row alone, which never sees the padding.
+    # the float64 PyTorch forward whose attention mask hides the padding.
     chosen, rejected = pair_batches(pairs, 32, 4)
     assert int(np.max(chosen.tokens)) < VOCAB and int(np.max(rejected.tokens)) < VOCAB
     for batch, logprobs in zip((chosen, rejected), fns.reference(params, chosen, rejected)):
