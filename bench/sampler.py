@@ -9,7 +9,8 @@ loader, so both sides run the same float32 weights on the CPU with the same numb
 (torch intra-op threads = the cores this process may use; XLA's CPU thread pool spans the same
 cores). `taskset -c 0 python bench/sampler.py` pins both to one core and times them in process
 CPU seconds, which the load of other processes on a shared machine does not move. Greedy
-decoding with no stop id, so both generate exactly `--new-tokens` per row.
+decoding with no stop id, so both generate exactly `--new-tokens` per row. `--dtype bfloat16`
+runs both sides with bfloat16 weights and compute (an extra comparison; the headline is float32).
 Times are steady state (every shape compiled or warmed up first), the best of `--repeats` rounds
 that alternate between the two sides, so that load on a shared machine hits both alike.
 The last line is `summary: decode_speedup_vs_hf=<x> prefill_speedup_vs_hf=<y> continuation_speedup_vs_reprefill=<z>`.
@@ -44,7 +45,7 @@ def build_model(args: argparse.Namespace, folder: str) -> transformers.PreTraine
         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
         num_key_value_heads=max(1, args.hidden // 256), tie_word_embeddings=False,
     )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).eval()
     model.save_pretrained(folder)
     return model
 
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens per conversation turn")
     parser.add_argument("--obs-len", type=int, default=48, help="longest environment observation per turn")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and compute, both sides")
     args = parser.parse_args()
 
     threads = len(os.sched_getaffinity(0))
@@ -129,9 +131,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         hf_model = build_model(args, folder)
-        model_config, params = load_pretrained(folder)
+        model_config, params = load_pretrained(folder, dtype=args.dtype)
     print(
-        f"model: qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} float32 | "
+        f"model: qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} {args.dtype} | "
         f"batch={args.batch} prompt_tokens={prompt_tokens} new_tokens={args.new_tokens} | "
         f"threads={threads} clock={clock_name} | "
         f"jax={jax.__version__} torch={torch.__version__} transformers={transformers.__version__}"
