@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -431,3 +432,11 @@ def test_bad_config_and_sampler_are_refused(framing, sampler, task_info):
         RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW + 1))
     with pytest.raises(ValueError, match="action_format"):
         demonstrations.collect_demonstrations("http://127.0.0.1:1", framing, [0], action_format="Action:")
+
+
+def test_padding_stays_inside_the_vocabulary(framing, model):
+    """A tokenizer's pad id can lie past the embedding table (transformers 5 appends one to
+    tokenizers that have none); fed to the model for dead or finished rows it would embed as NaN."""
+    tokenizer = types.SimpleNamespace(pad_token_id=model[0].vocab_size + 5)
+    odd = types.SimpleNamespace(tokenizer=tokenizer, end_of_turn_ids=framing.end_of_turn_ids)
+    assert RolloutConfig().sampling_config(odd).pad_id == 0

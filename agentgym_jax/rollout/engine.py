@@ -84,8 +84,12 @@ class RolloutConfig:
             raise ValueError(f"straggler_wait_s must be >= 0 or None, got {self.straggler_wait_s}")
 
     def sampling_config(self, framing: ChatFraming, **overrides: Any) -> SamplingConfig:
-        """The sampler settings this rollout needs: stop on the framing's end-of-turn id."""
-        pad_id = framing.tokenizer.pad_token_id
+        """The sampler settings this rollout needs: stop on the framing's end-of-turn id.
+
+        Padding (dead rows, finished rows' inputs) uses id 0, not the tokenizer's pad id: that id
+        may lie outside the model's embedding table (transformers 5 adds one to tokenizers without
+        a pad token), and its NaN embedding would reach the row's cache. Padding is masked anyway.
+        """
         return SamplingConfig(
             **{
                 "max_new_tokens": self.max_tokens_per_turn,
@@ -93,7 +97,6 @@ class RolloutConfig:
                 "top_k": self.top_k,
                 "top_p": self.top_p,
                 "eot_ids": framing.end_of_turn_ids,
-                "pad_id": 0 if pad_id is None else pad_id,
                 **overrides,
             }
         )
