@@ -89,8 +89,8 @@ def test_children_die_with_the_parent(how):
     try:
         assert port_open(url)
         process.send_signal(getattr(signal, how))
-        assert wait_closed(url, within_s=5.0)
-        code = process.wait(timeout=10)
+        assert wait_closed(url, within_s=20.0)  # ~1 s alone; CI's other worker can load both cores
+        code = process.wait(timeout=20)
         assert code == (-signal.SIGKILL if how == "SIGKILL" else 0)
     finally:
         process.kill()
