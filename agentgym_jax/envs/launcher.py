@@ -210,6 +210,9 @@ def run(config: ml_collections.ConfigDict) -> None:
     envs = [name.strip() for name in config.envs.split(",") if name.strip()]
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_system_exit)  # `kill` stops the children in order too
+        # Ctrl-C stops them in order even when SIGINT came in ignored (e.g. started from a
+        # non-interactive shell's background job), where Python installs no handler of its own.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     servers = LocalServers(
         envs, host=config.host, base_port=config.base_port, max_sessions=config.max_sessions,
         idle_timeout_s=config.session_idle_timeout_s, auth_token=config.auth_token,
