@@ -36,6 +36,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.max_concurrency = 64
     config.env.request_timeout_s = 30.0
     config.env.episode_timeout_s = 600.0
+    config.env.auth_token = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # empty: the policy's own (oracle: one built from env text in out_dir)

@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from agentgym_jax.envs.client import EnvServerError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -266,3 +267,19 @@ def test_two_environments_with_local_servers(tmp_path):
     records = list(read_jsonl(str(tmp_path / runner.TRAJECTORIES_NAME)))
     assert sorted({t.env for t in records}) == ["maze", "room"] and len(records) == 6
     assert "| room | 3 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_token_protected_servers_get_the_configured_token(tmp_path):
+    """`env.auth_token` reaches every request of a job, for given URLs and for local servers."""
+    with LocalServers(["room"], auth_token="s3cret") as servers:
+        url = f"room={servers.servers[0].url}"
+        refused = tiny_config(envs="room", task_ids="2", horizon=20, out_dir=str(tmp_path / "no_token"))
+        refused.env.urls = url
+        with pytest.raises(EnvServerError, match="HTTP 401"):
+            runner.run(refused)
+        given = tiny_config(envs="room", task_ids="2", horizon=20, out_dir=str(tmp_path / "given"))
+        given.env.urls, given.env.auth_token = url, "s3cret"
+        assert runner.run(given).overall.success.numerator == 2  # the oracle solves both
+    local = tiny_config(envs="room", task_ids="2", horizon=20, out_dir=str(tmp_path / "local"))
+    local.env.auth_token = "t0ken"  # the job's own servers require it, and its pool sends it
+    assert runner.run(local).overall.success.numerator == 2

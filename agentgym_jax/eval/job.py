@@ -76,7 +76,9 @@ def server_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, list[st
             if env in given:
                 urls[env] = given[env]
             else:
-                local = ml_collections.ConfigDict(dict(name=env, urls="", num_servers=config.env.num_servers))
+                local = ml_collections.ConfigDict(
+                    dict(name=env, urls="", num_servers=config.env.num_servers, auth_token=config.env.auth_token)
+                )
                 urls[env] = stack.enter_context(build.environment_urls(local))
         yield urls
 

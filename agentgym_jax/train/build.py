@@ -32,21 +32,24 @@ from agentgym_jax.train.steps import UpdateConfig
 
 @contextlib.contextmanager
 def environment_urls(env: ml_collections.ConfigDict) -> Iterator[list[str]]:
-    """The configured server URLs, or `env.num_servers` local servers for the job's duration."""
+    """The configured server URLs, or `env.num_servers` local servers for the job's duration
+    (requiring `env.auth_token` when it is set, like servers started elsewhere with it)."""
     if env.urls:
         yield [u.strip() for u in env.urls.split(",") if u.strip()]
         return
     with contextlib.ExitStack() as stack:  # one group per server: a group holds each env once
-        groups = [stack.enter_context(LocalServers([env.name])) for _ in range(env.num_servers)]
+        groups = [stack.enter_context(LocalServers([env.name], auth_token=env.auth_token)) for _ in range(env.num_servers)]
         yield [group.servers[0].url for group in groups]
 
 
 def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
+    """A pool over `urls` that sends `env.auth_token` (servers started with `--auth_token`)."""
     return EnvPool(
         urls,
         max_concurrency=env.max_concurrency,
         request_timeout_s=env.request_timeout_s,
         episode_timeout_s=env.episode_timeout_s,
+        auth_token=env.auth_token,
     )
 
 
