@@ -33,4 +33,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.agentevol.temperature = 1.0  # exploration temperature
     config.agentevol.horizon = 12  # turns per exploration episode
     config.agentevol.from_base = True  # True: each iteration trains the base model (the paper); False: continue
+    config.agentevol.epochs = 0  # training epochs of iterations >= 1 (0: sft.epochs, the behaviour-cloning epochs)
     return config

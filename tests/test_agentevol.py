@@ -10,13 +10,17 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from tests.markers import long_test
-
 from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train.agentevol import keep_successes, merge_dedup
+from agentgym_jax.train import build
+from agentgym_jax.train.agentevol import TrainingPhases, keep_successes, merge_dedup
+from configs import agentevol as agentevol_config
+from tests.markers import long_test
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,6 +43,32 @@ def test_merge_dedups_by_task_and_token_sequence_keeping_base_first():
     merged = merge_dedup(base, explored)
     assert [(t.task_id, tuple(t.token_ids)) for t in merged] == [(1, (5, 6)), (2, (5, 6)), (1, (5, 7)), (3, (5, 6))]
     assert merged[0] is base[0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_each_iteration_schedule_spans_its_own_updates(schedule):
+    """A cosine decay ends at the last update of that iteration's training (4 or 8 updates here),
+    whatever the other iterations' lengths; constant-rate iterations share one compiled update."""
+    config = agentevol_config.get_config()
+    config.optim.lr_schedule, config.sft.batch_size = schedule, 16
+    config.model.hidden_size, config.model.intermediate_size, config.model.head_dim = 32, 64, 8
+    model = build.model_config(config, vocab_size=64)
+    mesh = make_mesh(1, -1, 1)
+    params = build.initial_params(config, model, mesh, jax.random.PRNGKey(0), value_head=False)
+    phases = TrainingPhases(config, build.update_config(config, model), mesh)
+    (short, short_fns), (long, long_fns) = (phases.fresh_state(params, rows=rows, epochs=2) for rows in (32, 64))
+    assert (short_fns is long_fns) == (schedule == "constant")
+    host = jax.device_get(params)  # one device: eager collectives over 8 simulated ones can stall
+    grads = jax.tree.map(jnp.ones_like, host)
+
+    def moved(state, n):  # does the n-th update (1-based) change the parameters?
+        opt_state = jax.device_get(state.opt_state)
+        for _ in range(n):
+            updates, opt_state = state.tx.update(grads, opt_state, host)
+        return any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+
+    assert moved(short, 4) and moved(long, 8)
+    assert moved(short, 5) == moved(long, 9) == (schedule == "constant")  # cosine: the rate is 0 after the last
 
 
 def _command(workdir, seed, **overrides):

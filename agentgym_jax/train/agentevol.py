@@ -7,8 +7,9 @@ training tasks, a superset of the demonstration tasks) at `agentevol.temperature
 whose reward reaches the environment's success threshold are kept, merged with the base
 demonstrations and deduplicated by (task, token sequence); the policy is trained on that set,
 from the base model (`agentevol.from_base`, the paper's choice) or continuing from iteration
-i - 1; then evaluated greedily on held-out test tasks. (AgentGym's released code explores
-greedily, one sample per task; the paper samples.)
+i - 1, for `agentevol.epochs` epochs (0: `sft.epochs`); then evaluated greedily on held-out test
+tasks. Each iteration's optimizer starts fresh, its schedule spanning that iteration's updates.
+(AgentGym's released code explores greedily, one sample per task; the paper samples.)
 
 Files: `iter_<i>/explored.jsonl` (every explored episode), `iter_<i>/data.jsonl` (the training
 set of iteration i), `iter_<i>/eval.json`,
@@ -27,11 +28,13 @@ import contextlib
 import json
 import pathlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import ml_collections
 import optax
 from absl import logging
+from jax.sharding import Mesh
 
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.parallel.distributed import initialize_distributed
@@ -43,7 +46,7 @@ from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, task_batch
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import make_step_fns, train_state_shardings
+from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
 
 
 def keep_successes(trajectories: Iterable[Trajectory], success_threshold: float) -> list[Trajectory]:
@@ -66,9 +69,9 @@ def merge_dedup(base: Sequence[Trajectory], explored: Sequence[Trajectory]) -> l
 def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
     initialize_distributed()
     evol = config.agentevol
-    if evol.iterations < 0 or evol.samples_per_task < 1:
-        raise ValueError(f"agentevol.iterations ({evol.iterations}) must be >= 0 and samples_per_task "
-                         f"({evol.samples_per_task}) >= 1")
+    if evol.iterations < 0 or evol.samples_per_task < 1 or evol.epochs < 0:
+        raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
+                         f"samples_per_task ({evol.samples_per_task}) >= 1")
     workdir = pathlib.Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     demos_path = workdir / "demonstrations.jsonl"
@@ -90,12 +93,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
         base_params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        tx = _optimizer(config, max_rows=len(demos) + len(explore_ids) * evol.samples_per_task)
-        fresh_state = lambda params: TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))  # noqa: E731
-        state = fresh_state(base_params)
-        shardings = train_state_shardings(state, mesh)
-        state = jax.device_put(state, shardings)
-        step_fns = make_step_fns(update_config, mesh, shardings)  # one compiled update for every iteration
+        phases = TrainingPhases(config, update_config, mesh)
+        state, _ = phases.fresh_state(base_params, rows=len(demos), epochs=config.sft.epochs)
         eval_engine = stack.enter_context(build.make_engine(
             config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
@@ -122,9 +121,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
             init = base_params if evol.from_base or it == 0 else state.params
             init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
+            epochs = config.sft.epochs if it == 0 else evol.epochs or config.sft.epochs
+            state, step_fns = phases.fresh_state(init, rows=len(data), epochs=epochs)
             state, history = sft_train(
-                fresh_state(init), data, update_config, batch_size=config.sft.batch_size,
-                epochs=config.sft.epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
+                state, data, update_config, batch_size=config.sft.batch_size,
+                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
             )
             result = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             record = {
@@ -139,15 +140,32 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
     return {it: json.loads((workdir / f"iter_{it}" / "eval.json").read_text())["eval"] for it in range(evol.iterations + 1)}
 
 
-def _optimizer(config: ml_collections.ConfigDict, max_rows: int) -> optax.GradientTransformation:
-    """The optimizer of every iteration's training (each starts from a fresh optimizer state).
+class TrainingPhases:
+    """Fresh train states for each iteration's training, with an optimizer schedule that spans
+    exactly that iteration's updates (a cosine decay ends at the iteration's last update).
 
-    One object for all iterations, so the jitted update compiles once (`TrainState.tx` is static).
-    Its schedule spans the largest possible iteration (`max_rows`: the demonstrations plus every
-    explored episode); with the default constant learning rate that is no approximation.
+    `TrainState.tx` is static, so each schedule length gets its own optimizer object and compiled
+    update; iterations with the same number of updates (and a constant learning rate, where the
+    length does not matter) share them.
     """
-    updates = config.sft.epochs * -(-max_rows // config.sft.batch_size)
-    return make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+
+    def __init__(self, config: ml_collections.ConfigDict, update_config: UpdateConfig, mesh: Mesh):
+        self._config, self._update_config, self._mesh = config, update_config, mesh
+        self._built: dict[int, tuple[optax.GradientTransformation, StepFns]] = {}
+
+    def fresh_state(self, params: Any, *, rows: int, epochs: int) -> tuple[TrainState, StepFns]:
+        """A placed train state over `params` for `epochs` passes over `rows` rows, and its update."""
+        config = self._config
+        updates = epochs * -(-rows // config.sft.batch_size)
+        key = 0 if config.optim.lr_schedule == "constant" else updates
+        rng = jax.random.PRNGKey(config.seed + 2)
+        if key not in self._built:
+            tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+            shardings = train_state_shardings(TrainState.create(params, tx, rng), self._mesh)
+            self._built[key] = tx, make_step_fns(self._update_config, self._mesh, shardings)
+        tx, step_fns = self._built[key]
+        state = TrainState.create(params, tx, rng)
+        return jax.device_put(state, train_state_shardings(state, self._mesh)), step_fns
 
 
 def _write_progress(workdir: pathlib.Path, last: int, info: TaskInfo, test_ids: Sequence[int]) -> None:
