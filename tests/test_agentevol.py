@@ -148,7 +148,7 @@ def test_second_iteration_beats_behaviour_cloning(tmp_path):
     224 to 568 s per run depending on the machine's load, 600 s on the suite's 8 devices. Shrunk
     variants (seed 0) did not learn: horizon 8 and a 512-token cache gave 0.125 / 0.188 / 0.125
     in 222 s; 20 SFT epochs at lr 5e-3 and exploration at temperature 0.7 gave 0 / 0 / 0 in 179 s.
-    Eleven more variants, and why none is both reliable and short enough: docs/trainers.md.
+    Thirteen more runs of other variants, and why none is both reliable and short enough: docs/trainers.md.
     """
     run = subprocess.run(_command(tmp_path, 0, **LEARN), cwd=REPO, env=ONE_DEVICE, capture_output=True, text=True,
                          timeout=1800)
