@@ -151,21 +151,21 @@ class TrainingPhases:
 
     def __init__(self, config: ml_collections.ConfigDict, update_config: UpdateConfig, mesh: Mesh):
         self._config, self._update_config, self._mesh = config, update_config, mesh
-        self._built: dict[int, tuple[optax.GradientTransformation, StepFns]] = {}
+        self._optimizers: dict[int, optax.GradientTransformation] = {}
+        self._step_fns: dict[int, StepFns] = {}
 
     def fresh_state(self, params: Any, *, rows: int, epochs: int) -> tuple[TrainState, StepFns]:
         """A placed train state over `params` for `epochs` passes over `rows` rows, and its update."""
         config = self._config
         updates = epochs * -(-rows // config.sft.batch_size)
         key = 0 if config.optim.lr_schedule == "constant" else updates
-        rng = jax.random.PRNGKey(config.seed + 2)
-        if key not in self._built:
-            tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
-            shardings = train_state_shardings(TrainState.create(params, tx, rng), self._mesh)
-            self._built[key] = tx, make_step_fns(self._update_config, self._mesh, shardings)
-        tx, step_fns = self._built[key]
-        state = TrainState.create(params, tx, rng)
-        return jax.device_put(state, train_state_shardings(state, self._mesh)), step_fns
+        if key not in self._optimizers:
+            self._optimizers[key] = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+        state = TrainState.create(params, self._optimizers[key], jax.random.PRNGKey(config.seed + 2))
+        shardings = train_state_shardings(state, self._mesh)
+        if key not in self._step_fns:
+            self._step_fns[key] = make_step_fns(self._update_config, self._mesh, shardings)
+        return jax.device_put(state, shardings), self._step_fns[key]
 
 
 def _write_progress(workdir: pathlib.Path, last: int, info: TaskInfo, test_ids: Sequence[int]) -> None:
