@@ -16,6 +16,7 @@ ENVIRONMENTS: dict[str, str] = {
     "sciworld": "environments.sciworld.env:SciWorldEnv",
     "textarena": "environments.textarena.env:TextArenaEnv",
     "textworld": "environments.textworld.env:TextWorldEnv",
+    "miniwob": "environments.miniwob.env:MiniWoBEnv",
 }
 
 
