@@ -188,12 +188,12 @@ class MiniWoBEnv(Environment):
                 *mods, key = m[2].split("+")
                 if not key or any(mod.lower() not in MODIFIERS for mod in mods):
                     raise InvalidAction(f"cannot read the key {m[2]!r}; write e.g. Enter, ctrl+a or shift+Tab")
-                codes = [_selenium_key(mod) for mod in mods]
+                codes, key_code = [_selenium_key(mod) for mod in mods], _selenium_key(key)
                 chain = ActionChains(browser.driver)
                 browser.script("arguments[0].focus();", element)
                 for code in codes:
                     chain.key_down(code)
-                chain.send_keys(_selenium_key(key))
+                chain.send_keys(key_code)
                 for code in reversed(codes):
                     chain.key_up(code)
                 browser.call(chain.perform)

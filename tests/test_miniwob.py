@@ -1,0 +1,250 @@
+"""MiniWoB++ in a real headless Chromium: task ids, the page text, the actions, MiniWoB's own reward,
+the oracle on the test ids, determinism across server processes, the session cap, idle reaping,
+and a browser killed under a live session. Everything runs through `python -m environments.serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.parse
+
+import psutil
+import pytest
+
+from environments.miniwob import oracle, tasks
+from environments.miniwob.browser import chromedriver_path
+from environments.miniwob.env import MiniWoBEnv, parse_text_argument
+from tests.servers import request_json, start_server
+from tests.test_environments import _run_oracle
+
+
+def task_id(name: str, seed: int) -> int:
+    return tasks.TASKS.index(name) * tasks.SEEDS_PER_TASK + seed
+
+
+@pytest.fixture(scope="module")
+def url():
+    with start_server("miniwob", max_sessions=4) as served:
+        yield served
+
+
+def new_episode(url: str, data_idx: int) -> tuple[int, str]:
+    status, created = request_json(url, "POST", "/create", {})
+    assert status == 200, created
+    status, reset = request_json(url, "POST", "/reset", {"id": created["id"], "data_idx": data_idx})
+    assert status == 200, reset
+    return created["id"], reset["observation"]
+
+
+def step(url: str, session: int, action: str) -> dict:
+    status, result = request_json(url, "POST", "/step", {"id": session, "action": f"Thought: go.\nAction: {action}"})
+    assert status == 200, result
+    return result
+
+
+def ref_of(observation: str, pattern: str) -> str:
+    """The ref of the first page line matching `pattern` (a regex over the line after the ref)."""
+    for line in observation.splitlines():
+        m = re.match(r"\s*\[(\d+)\] (.*)", line)
+        if m and re.search(pattern, m[2]):
+            return m[1]
+    raise AssertionError(f"no line matching {pattern!r} in\n{observation}")
+
+
+def test_task_ids_pair_names_with_seeds_and_split_by_seed():
+    assert len(set(tasks.TASKS)) == len(tasks.TASKS)
+    assert tasks.task(task_id("click-button", 7)) == tasks.Task("click-button", 7)
+    split = tasks.splits()
+    assert sorted(split["train"] + split["test"]) == list(range(tasks.num_tasks()))
+    assert {tasks.task(i).seed % tasks.TEST_EVERY for i in split["test"]} == {0}
+    assert {tasks.task(i).name for i in split["test"]} == set(tasks.TASKS)  # every task in both splits
+    assert set(oracle.SOLVERS) <= set(tasks.TASKS) and len(oracle.SOLVERS) >= 10
+    with pytest.raises(ValueError, match="out of range"):
+        tasks.task(tasks.num_tasks())
+
+
+@pytest.mark.parametrize("raw, text", [('"Hello world"', "Hello world"), ("'a b'", "a b"), ("plain words", "plain words"),
+                                       ('"say "hi""', 'say "hi"'), ('"', '"')])
+def test_type_text_argument(raw, text):
+    assert parse_text_argument(raw) == text
+
+
+def test_a_missing_chromedriver_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIWOB_CHROMEDRIVER", str(tmp_path / "nothing-here"))
+    with pytest.raises(FileNotFoundError, match="apt-get install -y chromium chromium-driver"):
+        chromedriver_path()
+
+
+def test_tasks_metadata_marks_the_oracle_tasks(url):
+    status, info = request_json(url, "GET", "/tasks")
+    assert status == 200
+    meta = info["metadata"]
+    assert meta["task_names"] == list(tasks.TASKS) and meta["seeds_per_task"] == tasks.SEEDS_PER_TASK
+    assert meta["oracle_tasks"] == sorted(oracle.SOLVERS)
+    assert {tasks.task(i).name for i in meta["oracle_task_ids"]} == set(oracle.SOLVERS)
+    session, _ = new_episode(url, task_id("click-widget", 0))  # a task without an oracle
+    status, answer = request_json(url, "GET", f"/oracle_action?id={session}")
+    assert status == 501 and "click-widget" in answer["error"] and "has no oracle" in answer["error"]
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_page_text_type_and_submit_with_the_tasks_reward(url):
+    session, first = new_episode(url, task_id("login-user", 3))
+    user, password = re.search(r'username "(.*)" and the password "(.*)"', first).groups()
+    assert first.startswith("Task: Enter the username") and "\nPage:\n" in first
+    username_ref, password_ref = ref_of(first, r"^input#username text"), ref_of(first, r"^input#password password")
+    result = step(url, session, f'type [{username_ref}] "{user}"')
+    assert result["reward"] == 0 and not result["done"] and f'value="{user}"' in result["observation"]
+    _, actions = request_json(url, "GET", f"/available_actions?id={session}")
+    assert f'type [{username_ref}] "text"' in actions["available_actions"]
+    assert f"click [{ref_of(first, 'Login')}]" in actions["available_actions"]
+    result = step(url, session, f'type [{password_ref}] "{password}"')
+    assert "value=\"" + "*" * len(password) + '"' in result["observation"]  # password fields show stars
+    result = step(url, session, f"click [{ref_of(first, 'button#subbtn')}]")
+    assert result["done"] and result["reward"] == 1.0 and result["info"]["success"] is True
+    assert result["info"]["raw_reward"] == 1.0 and "reward 1" in result["observation"]
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_a_wrong_answer_ends_with_the_tasks_negative_reward(url):
+    session, first = new_episode(url, task_id("click-button", 0))
+    wanted = re.search(r'Click on the "(.*)" button', first)[1]
+    wrong = next(m for m in re.finditer(r"\[(\d+)\] button \"(.*)\"", first) if m[2] != wanted)
+    result = step(url, session, f"click [{wrong[1]}]")
+    assert result["done"] and result["reward"] == -1.0 and result["info"]["success"] is False
+    assert result["info"]["score"] == 0.0
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_press_keys_select_options_and_scroll(url):
+    session, first = new_episode(url, task_id("enter-text", 5))
+    field = ref_of(first, r"^input#tt")
+    result = step(url, session, f'type [{field}] "abc"')
+    result = step(url, session, f"press [{field}] Backspace")
+    assert 'value="ab"' in result["observation"] and "focused" in result["observation"]
+    result = step(url, session, f"press [{field}] ctrl+a")
+    result = step(url, session, f"press [{field}] x")  # replaces the selection
+    assert 'value="x"' in result["observation"]
+    for action in ("scroll down", "scroll up", f"scroll [{field}] down"):
+        assert step(url, session, action)["info"]["invalid_action"] is False
+    request_json(url, "POST", "/close", {"id": session})
+
+    session, first = new_episode(url, task_id("choose-list", 0))
+    wanted = re.search(r"Select (.*) from the list", first)[1]
+    option = ref_of(first, '^option "' + re.escape(wanted) + '"')
+    result = step(url, session, f"click [{option}]")
+    assert f'selected="{wanted}"' in result["observation"]
+    request_json(url, "POST", "/close", {"id": session})
+
+
+@pytest.mark.parametrize("action, why", [
+    ("click [999]", "there is no element [999]"),
+    ("press [1] Hyperspace", "unknown key 'Hyperspace'"),
+    ("press [1] turbo+a", "cannot read the key"),
+    ("drag [1] to [2]", "unknown action"),
+    ("click the blue one", "unknown action"),
+])
+def test_invalid_actions_are_observations_that_say_why(url, action, why):
+    session, first = new_episode(url, task_id("enter-text", 0))
+    result = step(url, session, action)
+    request_json(url, "POST", "/close", {"id": session})
+    assert result["info"]["invalid_action"] is True and result["reward"] == 0 and not result["done"]
+    assert result["observation"].startswith("Invalid action:") and why in result["observation"]
+    assert first.split("\n", 1)[1] in result["observation"]  # the page is shown again
+
+
+def test_typing_into_a_button_is_invalid(url):
+    session, first = new_episode(url, task_id("enter-text", 0))
+    result = step(url, session, f'type [{ref_of(first, "button#subbtn")}] "hello"')
+    assert result["info"]["invalid_action"] is True and "cannot take it" in result["observation"]
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_oracle_solves_one_test_id_of_every_oracle_task(url):
+    ids = [task_id(name, 5) for name in sorted(oracle.SOLVERS)]
+    solved = asyncio.run(_run_oracle(url, ids, concurrency=2))
+    assert all(solved.values()), [tasks.task(i) for i, ok in solved.items() if not ok]
+
+
+@pytest.mark.slow  # 300 episodes, each with a browser of its own: ~2-3 min on 2 cores
+def test_oracle_solves_95_percent_of_the_test_ids_of_every_oracle_task(url):
+    test = [i for i in tasks.splits()["test"] if tasks.task(i).name in oracle.SOLVERS]
+    solved = asyncio.run(_run_oracle(url, test, concurrency=2))
+    for name in oracle.SOLVERS:
+        results = [ok for i, ok in solved.items() if tasks.task(i).name == name]
+        assert sum(results) >= 0.95 * len(results), (name, results)
+
+
+def play_oracle(url: str, data_idx: int) -> list:
+    session, first = new_episode(url, data_idx)
+    trace = [first]
+    for _ in range(20):
+        _, answer = request_json(url, "GET", f"/oracle_action?id={session}")
+        result = step(url, session, answer["action"])
+        trace.append((answer["action"], result["observation"], result["reward"], result["done"]))
+        if result["done"]:
+            break
+    request_json(url, "POST", "/close", {"id": session})
+    return trace
+
+
+def test_whole_episodes_are_the_same_in_another_server_process(url):
+    ids = [task_id("email-inbox", 10), task_id("navigate-tree", 20), task_id("click-checkboxes", 45)]
+    with start_server("miniwob", env_vars={"PYTHONHASHSEED": "7"}) as other:
+        assert [play_oracle(other, i) for i in ids] == [play_oracle(url, i) for i in ids]
+    pages = []
+    for seed in (1, 2):
+        session, observation = new_episode(url, task_id("click-link", seed))
+        request_json(url, "POST", "/close", {"id": session})
+        pages.append(observation)
+    assert pages[0] != pages[1]
+
+
+def _server_pid(url: str) -> int:
+    port = urllib.parse.urlparse(url).port
+    return next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN")
+
+
+def _drivers(server_pid: int) -> set[int]:
+    return {p.pid for p in psutil.Process(server_pid).children() if p.name() == "chromedriver"}
+
+
+def test_session_cap_and_idle_reaping_close_browsers():
+    with start_server("miniwob", max_sessions=2, idle_timeout_s=2) as url:
+        server = _server_pid(url)
+        first = request_json(url, "POST", "/create", {})[1]["id"]
+        request_json(url, "POST", "/create", {})
+        assert len(_drivers(server)) == 2
+        status, answer = request_json(url, "POST", "/create", {})
+        assert status == 503 and "session cap 2" in answer["error"]
+        request_json(url, "POST", "/close", {"id": first})
+        assert len(_drivers(server)) == 1
+        deadline = time.monotonic() + 30
+        while (request_json(url, "GET", "/health")[1]["sessions"] or _drivers(server)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert request_json(url, "GET", "/health")[1]["sessions"] == 0 and not _drivers(server)
+
+
+def test_a_killed_browser_ends_its_session_and_the_others_go_on(url):
+    server = _server_pid(url)
+    before = _drivers(server)
+    victim, _ = new_episode(url, task_id("click-test", 0))
+    (driver,) = _drivers(server) - before
+    survivor, first = new_episode(url, task_id("click-test", 5))
+    for browser in psutil.Process(driver).children():  # Chromium's main process
+        browser.kill()
+    status, answer = request_json(url, "POST", "/step", {"id": victim, "action": "click [1]"}, timeout_s=90)
+    assert status == 500 and "browser is gone" in answer["error"] and "reset or close" in answer["error"]
+    assert request_json(url, "GET", f"/observation?id={victim}")[0] == 409  # broken until reset or closed
+    result = step(url, survivor, f"click [{ref_of(first, 'button')}]")
+    assert result["done"] and result["info"]["success"] is True
+    status, reset = request_json(url, "POST", "/reset", {"id": victim, "data_idx": task_id("click-test", 0)})
+    assert status == 200 and reset["observation"].startswith("Task: Click the button.")  # a new browser
+    for session in (victim, survivor):
+        request_json(url, "POST", "/close", {"id": session})
+
+
+def test_instruction_names_every_action():
+    for action in ("click [ref]", 'type [ref] "text"', "press [ref] key", "scroll"):
+        assert action in MiniWoBEnv.instruction
