@@ -211,7 +211,7 @@ def _drivers(server_pid: int) -> set[int]:
 
 
 def test_session_cap_and_idle_reaping_close_browsers():
-    with start_server("miniwob", max_sessions=2, idle_timeout_s=2) as url:
+    with start_server("miniwob", max_sessions=2, idle_timeout_s=2, env_vars={"MINIWOB_POOL_SIZE": "0"}) as url:
         server = _server_pid(url)
         first = request_json(url, "POST", "/create", {})[1]["id"]
         request_json(url, "POST", "/create", {})
@@ -226,11 +226,28 @@ def test_session_cap_and_idle_reaping_close_browsers():
         assert request_json(url, "GET", "/health")[1]["sessions"] == 0 and not _drivers(server)
 
 
-def test_a_killed_browser_ends_its_session_and_the_others_go_on(url):
+def test_closed_sessions_leave_warm_browsers_for_the_next():
+    with start_server("miniwob", env_vars={"MINIWOB_POOL_SIZE": "1"}) as url:
+        server = _server_pid(url)
+        sessions = [new_episode(url, task_id("click-test", 0))[0] for _ in range(2)]
+        drivers = _drivers(server)
+        for session in sessions:
+            request_json(url, "POST", "/close", {"id": session})
+        (kept,) = _drivers(server)  # one idle browser stays, the other is closed
+        assert kept in drivers
+        session, observation = new_episode(url, task_id("click-test", 5))
+        assert _drivers(server) == {kept} and observation.startswith("Task: Click the button.")
+
+
+def test_a_killed_browser_ends_its_session_and_the_others_go_on():
+    with start_server("miniwob", env_vars={"MINIWOB_POOL_SIZE": "0"}) as url:
+        _kill_a_browser_under_a_session(url)
+
+
+def _kill_a_browser_under_a_session(url: str) -> None:
     server = _server_pid(url)
-    before = _drivers(server)
     victim, _ = new_episode(url, task_id("click-test", 0))
-    (driver,) = _drivers(server) - before
+    (driver,) = _drivers(server)
     survivor, first = new_episode(url, task_id("click-test", 5))
     for browser in psutil.Process(driver).children():  # Chromium's main process
         browser.kill()

@@ -20,6 +20,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import threading
 from typing import Any
 
 from environments.miniwob import page
@@ -154,3 +155,46 @@ class Browser:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait(timeout=COMMAND_TIMEOUT_S)
+
+
+class BrowserPool:
+    """Idle browsers kept for the next session: starting Chromium costs ~0.5-1 s of CPU, and clients
+    such as `EnvPool` open a session per episode. A reset loads its page afresh, so a reused
+    browser shows the same episode as a new one. At most `size` stay idle (each ~300 MB)."""
+
+    def __init__(self, size: int):
+        if size < 0:
+            raise ValueError(f"MINIWOB_POOL_SIZE must be >= 0, got {size}")
+        self.size = size
+        self._idle: list[Browser] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Browser:
+        while True:
+            with self._lock:
+                browser = self._idle.pop() if self._idle else None
+            if browser is None:
+                return Browser()
+            if browser.alive():
+                return browser
+            browser.close()
+
+    def release(self, browser: Browser) -> None:
+        with self._lock:
+            keep = len(self._idle) < self.size
+            if keep:
+                self._idle.append(browser)
+        if not keep:
+            browser.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for browser in idle:
+            browser.close()
+
+
+@functools.cache
+def shared_pool() -> BrowserPool:
+    """The process's pool, sized by `MINIWOB_POOL_SIZE` (default 2; 0 closes every browser with its session)."""
+    return BrowserPool(int(os.environ.get("MINIWOB_POOL_SIZE", "2")))

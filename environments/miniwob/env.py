@@ -1,6 +1,7 @@
 """MiniWoB++: web tasks (click a button, fill a form, use an email inbox, ...) in a real headless Chromium.
 
-Each session owns one Chromium (`browser.py`). A reset loads the task's page from the `miniwob`
+Each session owns one Chromium (`browser.py`; closed sessions leave up to `MINIWOB_POOL_SIZE`
+idle ones for the next). A reset loads the task's page from the `miniwob`
 package (a file:// URL), seeds MiniWoB's generator (`Math.seedrandom` in its core.js) with the
 task name and seed, and starts the episode, so a task id shows the same page in every process.
 
@@ -26,7 +27,7 @@ from typing import ClassVar
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 from environments.base import Environment
 from environments.miniwob import oracle, tasks
-from environments.miniwob.browser import Browser
+from environments.miniwob.browser import Browser, shared_pool
 
 TIME_LIMIT_MS = 24 * 3600 * 1000  # MiniWoB's episode timer (below setTimeout's 2^31 ms ceiling)
 MAX_TEXT = 120  # characters of one element's text in the observation
@@ -101,7 +102,7 @@ class MiniWoBEnv(Environment):
     oracle_sweep_concurrency: ClassVar[int] = 2
 
     def __init__(self) -> None:
-        self.browser = Browser()
+        self.browser = shared_pool().acquire()
         self.task: tasks.Task | None = None
         self._observation = ""
         self._lines: list[str] = []  # the page lines of the current observation (without indentation)
@@ -239,5 +240,9 @@ class MiniWoBEnv(Environment):
                                 f"{', '.join(sorted(oracle.SOLVERS))}", 501)
         return solver(oracle.Page(self.browser))
 
+    @classmethod
+    def on_server_stop(cls) -> None:
+        shared_pool().close()
+
     def close(self) -> None:
-        self.browser.close()
+        shared_pool().release(self.browser)
