@@ -28,6 +28,8 @@ ENVS = [
     "scienceworld",  # ScienceWorld simulator (a JVM engine via py4j; needs a Java runtime)
     "textworld",  # TextWorld game generator (Inform 7 compiler bundled) and Jericho z-machine player
     "textarena",  # TextArena single-player games
+    "miniwob",  # MiniWoB++'s HTML tasks (run in Chromium + chromedriver from apt: chromium chromium-driver)
+    "selenium",  # drives Chromium for MiniWoB++
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
