@@ -6,7 +6,8 @@ through `setpriv --pdeathsig KILL` (killed when its chromedriver dies), so no br
 its server. Every driver call has a time limit (`COMMAND_TIMEOUT_S`); a browser that crashed or
 hangs makes the call raise `BrowserFailure`, which ends that session with a clear error.
 
-Configuration: `MINIWOB_CHROMIUM` (the browser binary; default Debian's `/usr/lib/chromium/chromium`
+Configuration: `MINIWOB_COMMAND_TIMEOUT_S` (default 30), `MINIWOB_PARALLEL_LAUNCHES` (browsers
+starting at once, default 2), `MINIWOB_CHROMIUM` (the browser binary; default Debian's `/usr/lib/chromium/chromium`
 or the first of chromium, chromium-browser, google-chrome on the PATH) and `MINIWOB_CHROMEDRIVER`
 (default `chromedriver` on the PATH). Install them with `apt-get install -y chromium chromium-driver`.
 """
@@ -25,7 +26,8 @@ from typing import Any
 
 from environments.miniwob import page
 
-COMMAND_TIMEOUT_S = 30.0  # one driver call (page load, script, click); past it the browser counts as hung
+# One driver call (page load, script, click); past it the browser counts as hung. MINIWOB_COMMAND_TIMEOUT_S overrides it.
+COMMAND_TIMEOUT_S = float(os.environ.get("MINIWOB_COMMAND_TIMEOUT_S", "30"))
 WINDOW = (500, 400)  # MiniWoB's pages are 160x210 px; a small window keeps the renderer's memory low
 FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
@@ -35,6 +37,12 @@ FLAGS = (
     "--allow-file-access-from-files",
 )
 _PR_SET_PDEATHSIG = 1
+try:  # loaded before any fork (loading a library in a forked child can deadlock)
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not Linux: no PR_SET_PDEATHSIG, so a browser may outlive a killed server
+    _LIBC = None
+# Browsers starting at once: more only make each start slower (a start is ~0.5-1 s of CPU).
+_LAUNCHES = threading.Semaphore(int(os.environ.get("MINIWOB_PARALLEL_LAUNCHES", "2")))
 INSTALL_HINT = "install them with `apt-get install -y chromium chromium-driver` (Debian) or set MINIWOB_CHROMIUM / MINIWOB_CHROMEDRIVER"
 
 
@@ -42,8 +50,15 @@ class BrowserFailure(RuntimeError):
     """The browser crashed, hung past `COMMAND_TIMEOUT_S`, or its driver went away."""
 
 
-def _die_with_parent() -> None:  # runs in the forked chromedriver before exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _dying_with(parent: int):
+    """A preexec function for chromedriver: SIGKILL it when `parent` (this server) dies."""
+
+    def preexec() -> None:  # runs in the forked child before exec: no imports or library loading here
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the server died between the fork and the prctl
+            os._exit(1)
+
+    return preexec
 
 
 def chromium_path() -> str:
@@ -90,9 +105,10 @@ class Browser:
         options.binary_location = _launcher()
         for flag in FLAGS:
             options.add_argument(flag)
-        service = Service(chromedriver_path(), popen_kw={"preexec_fn": _die_with_parent})
+        service = Service(chromedriver_path(), popen_kw={"preexec_fn": _dying_with(os.getpid())} if _LIBC else {})
         try:
-            self.driver = webdriver.Chrome(options=options, service=service)
+            with _LAUNCHES:
+                self.driver = webdriver.Chrome(options=options, service=service)
         except WebDriverException as e:
             raise BrowserFailure(f"Chromium did not start: {e.msg or e}") from e
         # The HTTP time-out of each driver command, read per request by selenium's connection.
@@ -100,19 +116,24 @@ class Browser:
         self.driver.set_page_load_timeout(COMMAND_TIMEOUT_S)
         self.driver.set_script_timeout(COMMAND_TIMEOUT_S)
         self.service = service
+        self.failed = False  # a call raised BrowserFailure: never ask this driver anything again
 
     def call(self, fn, *args: Any) -> Any:
         """Runs a driver call; a dead or hung browser becomes `BrowserFailure`."""
         from selenium.common.exceptions import InvalidSessionIdException, WebDriverException
         from urllib3.exceptions import HTTPError
 
+        if self.failed:
+            raise BrowserFailure("the browser failed earlier")
         try:
             return fn(*args)
         except (InvalidSessionIdException, HTTPError, ConnectionError, TimeoutError) as e:
+            self.failed = True
             raise BrowserFailure(f"the browser is gone or hung ({type(e).__name__}: {e})") from e
         except WebDriverException as e:
             message = (e.msg or str(e)).lower()
             if any(s in message for s in ("not reachable", "disconnected", "crash", "timeout", "session deleted", "no such window")):
+                self.failed = True
                 raise BrowserFailure(f"the browser is gone or hung: {e.msg or e}") from e
             raise
 
@@ -146,11 +167,13 @@ class Browser:
             return False
 
     def close(self) -> None:
-        """Quits the browser; when the driver does not answer, kills chromedriver (Chromium follows it)."""
-        try:
-            self.driver.quit()
-        except Exception:
-            pass
+        """Quits the browser; a failed one (or one whose driver does not answer) by killing chromedriver,
+        which Chromium follows."""
+        if not self.failed:
+            try:
+                self.driver.quit()
+            except Exception:
+                pass
         process = self.service.process
         if process is not None and process.poll() is None:
             process.kill()

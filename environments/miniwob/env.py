@@ -1,7 +1,7 @@
 """MiniWoB++: web tasks (click a button, fill a form, use an email inbox, ...) in a real headless Chromium.
 
-Each session owns one Chromium (`browser.py`; closed sessions leave up to `MINIWOB_POOL_SIZE`
-idle ones for the next). A reset loads the task's page from the `miniwob`
+Each session owns one Chromium (`browser.py`), started by its first reset (closed sessions leave
+up to `MINIWOB_POOL_SIZE` idle ones for the next). A reset loads the task's page from the `miniwob`
 package (a file:// URL), seeds MiniWoB's generator (`Math.seedrandom` in its core.js) with the
 task name and seed, and starts the episode, so a task id shows the same page in every process.
 
@@ -102,7 +102,9 @@ class MiniWoBEnv(Environment):
     oracle_sweep_concurrency: ClassVar[int] = 2
 
     def __init__(self) -> None:
-        self.browser = shared_pool().acquire()
+        # Started by the first reset, not here: a /create that a client timed out and sent again
+        # would otherwise leave a browser behind in a session nobody uses.
+        self.browser: Browser | None = None
         self.task: tasks.Task | None = None
         self._observation = ""
         self._lines: list[str] = []  # the page lines of the current observation (without indentation)
@@ -132,9 +134,11 @@ class MiniWoBEnv(Environment):
 
     def reset(self, data_idx: int) -> str:
         self.task = tasks.task(data_idx)
-        if not self.browser.alive():  # crashed during an earlier episode: start a new one
+        if self.browser is not None and not self.browser.alive():  # crashed in an earlier episode
             self.browser.close()
-            self.browser = Browser()
+            self.browser = None
+        if self.browser is None:
+            self.browser = shared_pool().acquire()
         self.browser.open(tasks.url(self.task.name), self.task.js_seed, TIME_LIMIT_MS)
         self._done, self._raw_reward = False, 0.0
         self._observation = self._render()
@@ -245,4 +249,5 @@ class MiniWoBEnv(Environment):
         shared_pool().close()
 
     def close(self) -> None:
-        shared_pool().release(self.browser)
+        if self.browser is not None:
+            shared_pool().release(self.browser)
