@@ -54,10 +54,13 @@ _SCROLL = re.compile(rf"scroll(?:\s+{_REF})?(?:\s+(up|down))?\s*$", re.IGNORECAS
 _LINE_HEAD = re.compile(r"\[(\d+)\] (\w+)\S* ?(.*)")
 _TEXT_FIELDS = ("text", "password", "email", "number", "search", "tel", "url")
 
-# Key names an action may use (case-insensitive) -> selenium's key codes (filled on first use).
-KEY_NAMES = ("enter", "return", "tab", "backspace", "delete", "escape", "space", "arrowup", "arrowdown",
-             "arrowleft", "arrowright", "up", "down", "left", "right", "home", "end", "pageup", "pagedown")
-MODIFIERS = ("ctrl", "control", "shift", "alt", "meta")
+# Key names an action may use (case-insensitive; any single character too) -> selenium `Keys` attributes.
+KEYS = {"enter": "ENTER", "return": "RETURN", "tab": "TAB", "backspace": "BACKSPACE", "delete": "DELETE",
+        "escape": "ESCAPE", "space": "SPACE", "arrowup": "ARROW_UP", "arrowdown": "ARROW_DOWN",
+        "arrowleft": "ARROW_LEFT", "arrowright": "ARROW_RIGHT", "up": "ARROW_UP", "down": "ARROW_DOWN",
+        "left": "ARROW_LEFT", "right": "ARROW_RIGHT", "home": "HOME", "end": "END", "pageup": "PAGE_UP",
+        "pagedown": "PAGE_DOWN"}
+MODIFIERS = {"ctrl": "CONTROL", "control": "CONTROL", "shift": "SHIFT", "alt": "ALT", "meta": "META"}
 
 
 class InvalidAction(Exception):
@@ -67,18 +70,13 @@ class InvalidAction(Exception):
 def _selenium_key(name: str) -> str:
     from selenium.webdriver.common.keys import Keys
 
-    named = {"enter": Keys.ENTER, "return": Keys.RETURN, "tab": Keys.TAB, "backspace": Keys.BACKSPACE,
-             "delete": Keys.DELETE, "escape": Keys.ESCAPE, "space": Keys.SPACE, "arrowup": Keys.ARROW_UP,
-             "arrowdown": Keys.ARROW_DOWN, "arrowleft": Keys.ARROW_LEFT, "arrowright": Keys.ARROW_RIGHT,
-             "up": Keys.ARROW_UP, "down": Keys.ARROW_DOWN, "left": Keys.ARROW_LEFT, "right": Keys.ARROW_RIGHT,
-             "home": Keys.HOME, "end": Keys.END, "pageup": Keys.PAGE_UP, "pagedown": Keys.PAGE_DOWN,
-             "ctrl": Keys.CONTROL, "control": Keys.CONTROL, "shift": Keys.SHIFT, "alt": Keys.ALT, "meta": Keys.META}
-    if name.lower() in named:
-        return named[name.lower()]
+    attribute = KEYS.get(name.lower()) or MODIFIERS.get(name.lower())
+    if attribute is not None:
+        return getattr(Keys, attribute)
     if len(name) == 1:
         return name
-    raise InvalidAction(f"unknown key {name!r}; keys: a single character or one of {', '.join(KEY_NAMES)}, "
-                        f"optionally after modifiers ({'+'.join(MODIFIERS[:1])}+a, shift+tab, ...)")
+    raise InvalidAction(f"unknown key {name!r}; keys: a single character or one of {', '.join(KEYS)}, "
+                        "optionally after modifiers (ctrl+a, shift+Tab, ...)")
 
 
 def parse_text_argument(raw: str) -> str:
