@@ -14,6 +14,7 @@ or the first of chromium, chromium-browser, google-chrome on the PATH) and `MINI
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import os
@@ -86,6 +87,7 @@ def _launcher() -> str:
     if setpriv is None:
         return binary
     folder = tempfile.mkdtemp(prefix="agentgym-miniwob-")
+    atexit.register(shutil.rmtree, folder, True)
     path = os.path.join(folder, "chromium")
     with open(path, "w") as f:
         f.write(f'#!/bin/sh\nexec {setpriv} --pdeathsig KILL {binary} "$@"\n')

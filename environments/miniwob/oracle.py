@@ -215,6 +215,58 @@ def focus_text_2(page: Page) -> str:
     return click(page.need(f"#area input:nth-of-type({position})"))
 
 
+def simple_arithmetic(page: Page) -> str:
+    page.match(r"Solve the math problem and type your answer into the textbox\. Press submit when done\.")
+    problem = page.js("return document.getElementById('math-problem').textContent;")
+    m = re.fullmatch(r"\s*(\d+) ([-+x]) (\d+) =\s*", problem)
+    if m is None:
+        raise OracleError(f"simple-arithmetic: cannot read {problem!r}")
+    a, op, b = int(m[1]), m[2], int(m[3])
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
+    return fill_then_click(page, [("#math-answer", str(answer))], "#subbtn")
+
+
+def find_word(page: Page) -> str:
+    """The n-th whitespace-separated word of the paragraph, without punctuation (as the task compares)."""
+    n = int(page.match(r'Find the (\d+)(?:st|nd|rd|th) word in the paragraph, type that into the textbox and press "Submit"\.')[1])
+    words = page.js("return document.querySelector('#area p').textContent.trim().split(/\\s+/);")
+    return fill_then_click(page, [("#answer-input", re.sub(r"[^a-zA-Z]", "", words[n - 1]))], "#subbtn")
+
+
+def read_table(page: Page) -> str:
+    key = page.match(r"Enter the value of (.*) into the text field and press Submit\.")[1]
+    rows = page.js("return Array.from(document.querySelectorAll('#tab tr')).map((r) => Array.from(r.cells).map((c) => c.textContent));")
+    value = next((row[1] for row in rows if row[0] == key), None)
+    if value is None:
+        raise OracleError(f"read-table: no row {key!r}")
+    return fill_then_click(page, [("#tt", value)], "#subbtn")
+
+
+def use_autocomplete(page: Page) -> str:
+    """Types a country that fits the task (from the task's own list); closes the suggestions over Submit."""
+    m = page.match(r'Enter an item that starts with "(.*?)"(?: and ends with "(.*)")?\.')
+    item = page.js("return ui_utils.COUNTRIES.find((c) => c.startsWith(arguments[0]) && c.endsWith(arguments[1]));",
+                   m[1], m[2] or "")
+    if page.value("#tags") != item:
+        return type_into(page.need("#tags"), item)
+    if page.js("const menu = document.querySelector('ul.ui-autocomplete'); return !!menu && menu.offsetHeight > 0;"):
+        return f"press [{page.need('#tags')}] Escape"
+    return click(page.need("#subbtn"))
+
+
+def click_collapsible_2(page: Page) -> str:
+    """Clicks the link once its section is open, else the header of its section."""
+    text = page.match(r'Expand the sections below, to find and click on the link "(.*)"\.')[1]
+    ref = page.ref("#area span.alink", text)
+    if ref is not None:
+        return click(ref)
+    header = page.js("""const link = Array.from(document.querySelectorAll('#area span.alink')).find((s) => s.textContent === arguments[0]);
+        return link ? link.closest('div').previousElementSibling.id : null;""", text)
+    if header is None:
+        raise OracleError(f"click-collapsible-2: no link {text!r}")
+    return click(page.need(f"#{header}"))
+
+
 _EMAIL = r"Find the email by (.*) and (?:click the (trash|star) icon to (?:delete it|mark it as important)|reply to them with the text \"(.*)\"|forward that email to (.*))\."
 
 
@@ -246,6 +298,7 @@ SOLVERS: dict[str, Callable[[Page], str]] = {
     "click-button": click_button,
     "click-button-sequence": click_button_sequence,
     "click-checkboxes": click_checkboxes,
+    "click-collapsible-2-nodelay": click_collapsible_2,
     "click-collapsible-nodelay": click_collapsible,
     "click-dialog": click_dialog,
     "click-dialog-2": click_dialog_2,
@@ -267,9 +320,13 @@ SOLVERS: dict[str, Callable[[Page], str]] = {
     "enter-text": enter_text,
     "enter-text-2": enter_text_2,
     "enter-text-dynamic": enter_text,
+    "find-word": find_word,
     "focus-text": focus_text,
     "focus-text-2": focus_text_2,
     "login-user": login_user,
     "navigate-tree": navigate_tree,
+    "read-table": read_table,
+    "simple-arithmetic": simple_arithmetic,
     "unicode-test": click_button,
+    "use-autocomplete-nodelay": use_autocomplete,
 }
