@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from environments.miniwob import oracle, tasks
-from environments.miniwob.browser import chromedriver_path
+from environments.miniwob.browser import chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
 from tests.servers import request_json, start_server
 from tests.test_environments import _run_oracle
@@ -75,6 +75,13 @@ def test_a_missing_chromedriver_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIWOB_CHROMEDRIVER", str(tmp_path / "nothing-here"))
     with pytest.raises(FileNotFoundError, match="apt-get install -y chromium chromium-driver"):
         chromedriver_path()
+
+
+@pytest.mark.parametrize("raw", ["two", "-1", "1.5"])
+def test_a_bad_pool_size_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("MINIWOB_POOL_SIZE", raw)
+    with pytest.raises(ValueError, match=f"MINIWOB_POOL_SIZE='{re.escape(raw)}' is not valid: want an integer >= 0"):
+        env_number("MINIWOB_POOL_SIZE", "2", int, 0)
 
 
 def test_tasks_metadata_marks_the_oracle_tasks(url):

@@ -27,8 +27,22 @@ from typing import Any
 
 from environments.miniwob import page
 
+
+
+def env_number(name: str, default: str, kind: type, minimum: float) -> Any:
+    """The environment variable `name` as a `kind` >= `minimum`; a clear error naming the bad value."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={raw!r} is not valid: want {'an integer' if kind is int else 'a number'} >= {minimum}")
+    return value
+
+
 # One driver call (page load, script, click); past it the browser counts as hung. MINIWOB_COMMAND_TIMEOUT_S overrides it.
-COMMAND_TIMEOUT_S = float(os.environ.get("MINIWOB_COMMAND_TIMEOUT_S", "30"))
+COMMAND_TIMEOUT_S = env_number("MINIWOB_COMMAND_TIMEOUT_S", "30", float, 0.1)
 WINDOW = (500, 400)  # MiniWoB's pages are 160x210 px; a small window keeps the renderer's memory low
 FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
@@ -43,7 +57,7 @@ try:  # loaded before any fork (loading a library in a forked child can deadlock
 except OSError:  # not Linux: no PR_SET_PDEATHSIG, so a browser may outlive a killed server
     _LIBC = None
 # Browsers starting at once: more only make each start slower (a start is ~0.5-1 s of CPU).
-_LAUNCHES = threading.Semaphore(int(os.environ.get("MINIWOB_PARALLEL_LAUNCHES", "2")))
+_LAUNCHES = threading.Semaphore(env_number("MINIWOB_PARALLEL_LAUNCHES", "2", int, 1))
 INSTALL_HINT = "install them with `apt-get install -y chromium chromium-driver` (Debian) or set MINIWOB_CHROMIUM / MINIWOB_CHROMEDRIVER"
 
 
@@ -188,8 +202,6 @@ class BrowserPool:
     browser shows the same episode as a new one. At most `size` stay idle (each ~300 MB)."""
 
     def __init__(self, size: int):
-        if size < 0:
-            raise ValueError(f"MINIWOB_POOL_SIZE must be >= 0, got {size}")
         self.size = size
         self._idle: list[Browser] = []
         self._lock = threading.Lock()
@@ -222,4 +234,4 @@ class BrowserPool:
 @functools.cache
 def shared_pool() -> BrowserPool:
     """The process's pool, sized by `MINIWOB_POOL_SIZE` (default 2; 0 closes every browser with its session)."""
-    return BrowserPool(int(os.environ.get("MINIWOB_POOL_SIZE", "2")))
+    return BrowserPool(env_number("MINIWOB_POOL_SIZE", "2", int, 0))
