@@ -31,8 +31,10 @@ const shown = (el) => {
   const style = window.getComputedStyle(el);
   return style.visibility !== 'hidden' && style.display !== 'none';
 };
-// Class names that say something (jQuery UI's `ui-*` classes are layout noise).
-const classesOf = (el) => (typeof el.className === 'string' ? el.className.trim().split(/\s+/) : []).filter((c) => c && !c.startsWith('ui-'));
+// Class names that say something (jQuery UI's generic styling classes are noise; its widget parts,
+// e.g. ui-spinner-up, are not).
+const NOISE = /^ui-(widget|state|corner|helper|front|button|icon|priority|resizable|draggable|selectee|menu-item-wrapper|autocomplete-input|accordion-icons)/;
+const classesOf = (el) => (typeof el.className === 'string' ? el.className.trim().split(/\s+/) : []).filter((c) => c && !NOISE.test(c));
 const describe = (el, text) => {
   let head = el.tagName.toLowerCase();
   if (el.id) head += '#' + el.id;
@@ -56,6 +58,8 @@ const describe = (el, text) => {
     parts.push('selected');
   }
   if (el.disabled) parts.push('disabled');
+  const expanded = el.getAttribute('aria-expanded');
+  if (expanded === 'true' || expanded === 'false') parts.push(expanded === 'true' ? 'expanded' : 'collapsed');
   if (typeof el.className === 'string' && /\bui-(state|tabs)-active\b/.test(el.className)) parts.push('active');
   if (document.activeElement === el && el !== document.body) parts.push('focused');
   return parts.join(' ');
