@@ -197,9 +197,9 @@ class Browser:
 
 
 class BrowserPool:
-    """Idle browsers kept for the next session: starting Chromium costs ~0.5-1 s of CPU, and clients
+    """Idle browsers kept for the next session: starting Chromium costs 0.5-2 s of CPU, and clients
     such as `EnvPool` open a session per episode. A reset loads its page afresh, so a reused
-    browser shows the same episode as a new one. At most `size` stay idle (each ~300 MB)."""
+    browser shows the same episode as a new one. At most `size` stay idle (each ~400 MB)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -233,5 +233,9 @@ class BrowserPool:
 
 @functools.cache
 def shared_pool() -> BrowserPool:
-    """The process's pool, sized by `MINIWOB_POOL_SIZE` (default 2; 0 closes every browser with its session)."""
-    return BrowserPool(env_number("MINIWOB_POOL_SIZE", "2", int, 0))
+    """The process's pool, sized by `MINIWOB_POOL_SIZE` (0 closes every browser with its session).
+
+    The default, 8, keeps the browsers of up to 8 sessions that were open at once: idle ones hold
+    memory that was in use anyway, and a client running C episodes at a time with C <= the size
+    (e.g. `EnvPool` with `max_concurrency` C) starts no browser after its first C episodes."""
+    return BrowserPool(env_number("MINIWOB_POOL_SIZE", "8", int, 0))
