@@ -14,14 +14,11 @@ import psutil
 import pytest
 
 from environments.miniwob import oracle, tasks
+from environments.miniwob.tasks import task_id
 from environments.miniwob.browser import chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
 from tests.servers import request_json, start_server
 from tests.test_environments import _run_oracle
-
-
-def task_id(name: str, seed: int) -> int:
-    return tasks.TASKS.index(name) * tasks.SEEDS_PER_TASK + seed
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +52,9 @@ def ref_of(observation: str, pattern: str) -> str:
 
 def test_task_ids_pair_names_with_seeds_and_split_by_seed():
     assert len(set(tasks.TASKS)) == len(tasks.TASKS)
-    assert tasks.task(task_id("click-button", 7)) == tasks.Task("click-button", 7)
+    assert [tasks.task(task_id(name, seed)) for name in tasks.TASKS for seed in (0, 7, 49)] == [
+        tasks.Task(name, seed) for name in tasks.TASKS for seed in (0, 7, 49)]
+    assert {tasks.task(i).name for i in range(len(tasks.TASKS))} == set(tasks.TASKS)  # the first ids span every task
     split = tasks.splits()
     assert sorted(split["train"] + split["test"]) == list(range(tasks.num_tasks()))
     assert {tasks.task(i).seed % tasks.TEST_EVERY for i in split["test"]} == {0}
@@ -63,6 +62,8 @@ def test_task_ids_pair_names_with_seeds_and_split_by_seed():
     assert set(oracle.SOLVERS) <= set(tasks.TASKS) and len(oracle.SOLVERS) >= 10
     with pytest.raises(ValueError, match="out of range"):
         tasks.task(tasks.num_tasks())
+    with pytest.raises(ValueError, match="seeds 0..49"):
+        task_id("click-button", 50)
 
 
 @pytest.mark.parametrize("raw, text", [('"Hello world"', "Hello world"), ("'a b'", "a b"), ("plain words", "plain words"),

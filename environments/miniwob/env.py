@@ -112,7 +112,6 @@ class MiniWoBEnv(Environment):
     @classmethod
     def task_info(cls) -> TaskInfo:
         tasks.html_dir()  # fails here, at server start, when the miniwob package is missing
-        names = [tasks.task(i).name for i in range(0, tasks.num_tasks(), tasks.SEEDS_PER_TASK)]
         oracle_ids = [i for i in range(tasks.num_tasks()) if tasks.task(i).name in oracle.SOLVERS]
         return TaskInfo(
             env=cls.name,
@@ -122,7 +121,7 @@ class MiniWoBEnv(Environment):
             num_tasks=tasks.num_tasks(),
             has_oracle=cls.has_oracle,
             metadata={
-                "task_names": names,  # task id i is task_names[i // seeds_per_task], seed i % seeds_per_task
+                "task_names": list(tasks.TASKS),  # task id i is task_names[i % len(task_names)], seed i // len(task_names)
                 "seeds_per_task": tasks.SEEDS_PER_TASK,
                 "oracle_tasks": sorted(oracle.SOLVERS),
                 "oracle_task_ids": oracle_ids,

@@ -11,8 +11,10 @@ chase-circle, moving-items, simon-says, stock-market, terminal and the non-`node
 pictures read by eye (text-transform, visual-addition, number-checkboxes) and the flight
 booking tasks (they need an HTTP server, not file://).
 
-Task id `i` is task `TASKS[i // SEEDS_PER_TASK]` with seed `i % SEEDS_PER_TASK`; seeds divisible
-by `TEST_EVERY` form the test split, the rest the train split (the same tasks in both).
+Task id `i` is task `TASKS[i % len(TASKS)]` with seed `i // len(TASKS)`: ids run through every
+task before the next seed, so the first ids of a split (what `eval.task_ids=N` and benchmarks
+take) cover many tasks. Seeds divisible by `TEST_EVERY` form the test split, the rest the train
+split (the same tasks in both).
 """
 
 from __future__ import annotations
@@ -59,13 +61,21 @@ def num_tasks() -> int:
 def task(data_idx: int) -> Task:
     if not 0 <= data_idx < num_tasks():
         raise ValueError(f"MiniWoB task id {data_idx} out of range [0, {num_tasks()})")
-    return Task(TASKS[data_idx // SEEDS_PER_TASK], data_idx % SEEDS_PER_TASK)
+    return Task(TASKS[data_idx % len(TASKS)], data_idx // len(TASKS))
+
+
+def task_id(name: str, seed: int) -> int:
+    """The id of (task, seed); the inverse of `task`."""
+    if name not in TASKS or not 0 <= seed < SEEDS_PER_TASK:
+        raise ValueError(f"no MiniWoB task id for ({name!r}, seed {seed}): tasks are {', '.join(TASKS)}, "
+                         f"seeds 0..{SEEDS_PER_TASK - 1}")
+    return seed * len(TASKS) + TASKS.index(name)
 
 
 def splits() -> dict[str, list[int]]:
     ids = range(num_tasks())
-    return {"train": [i for i in ids if i % SEEDS_PER_TASK % TEST_EVERY],
-            "test": [i for i in ids if i % SEEDS_PER_TASK % TEST_EVERY == 0]}
+    return {"train": [i for i in ids if task(i).seed % TEST_EVERY],
+            "test": [i for i in ids if task(i).seed % TEST_EVERY == 0]}
 
 
 @functools.cache
