@@ -1,6 +1,7 @@
 """MiniWoB++ in a real headless Chromium: task ids, the page text, the actions, MiniWoB's own reward,
 the oracle on the test ids, determinism across server processes, the session cap, idle reaping,
-and a browser killed under a live session. Everything runs through `python -m environments.serve`."""
+the idle-browser pool, and a browser killed or hung under a live session. Everything but the
+task-id and argument checks runs through `python -m environments.serve`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import psutil
 import pytest
 
 from environments.miniwob import oracle, tasks
-from environments.miniwob.tasks import task_id
 from environments.miniwob.browser import chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
+from environments.miniwob.tasks import task_id
 from tests.servers import request_json, start_server
 from tests.test_environments import _run_oracle
 
