@@ -267,6 +267,17 @@ def click_collapsible_2(page: Page) -> str:
     return click(page.need(f"#{header}"))
 
 
+def scroll_text_2(page: Page) -> str:
+    """Scrolls the textarea a screen at a time until it is at the end the task names, then submits."""
+    end = page.match(r"Scroll the textarea to the (top|bottom) of the text hit submit\.")[1]
+    top, room = page.js("const t = document.getElementById('text-area'); return [t.scrollTop, t.scrollHeight - t.clientHeight];")
+    if end == "top" and top > 1:
+        return f"scroll [{page.need('#text-area')}] up"
+    if end == "bottom" and top < room - 1:
+        return f"scroll [{page.need('#text-area')}] down"
+    return click(page.need("#subbtn"))
+
+
 _EMAIL = r"Find the email by (.*) and (?:click the (trash|star) icon to (?:delete it|mark it as important)|reply to them with the text \"(.*)\"|forward that email to (.*))\."
 
 
@@ -326,6 +337,7 @@ SOLVERS: dict[str, Callable[[Page], str]] = {
     "login-user": login_user,
     "navigate-tree": navigate_tree,
     "read-table": read_table,
+    "scroll-text-2": scroll_text_2,
     "simple-arithmetic": simple_arithmetic,
     "unicode-test": click_button,
     "use-autocomplete-nodelay": use_autocomplete,

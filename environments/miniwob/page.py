@@ -6,7 +6,9 @@ separately). An element gets a line when it is something an agent can act on or 
 control, a link or button, an element with text of its own, or a visible leaf with an id or a
 class (MiniWoB's icons, e.g. the email inbox's trash can, are empty styled spans). Elements
 without any of these are dropped and their children lifted up a level, which keeps the tree
-shallow. Each line is `[ref] tag#id.class "text" state...`, indented by depth.
+shallow. Each line is `[ref] tag#id.class "text" state...`, indented by depth; the state says
+e.g. checked, value="...", selected, focused, expanded, and for an element that scrolls, where
+it is scrolled to (scroll=top, 40%, bottom).
 
 Refs are stored on the elements (`data-agref`) the first time they are rendered, counting up
 from 1 on each page load, so an element keeps its ref for the whole episode and the same page
@@ -58,6 +60,10 @@ const describe = (el, text) => {
     parts.push('selected');
   }
   if (el.disabled) parts.push('disabled');
+  if (el !== document.body && el.scrollHeight > el.clientHeight + 1 && window.getComputedStyle(el).overflowY !== 'visible') {
+    const room = el.scrollHeight - el.clientHeight;  // how far it scrolls
+    parts.push('scroll=' + (el.scrollTop <= 1 ? 'top' : el.scrollTop >= room - 1 ? 'bottom' : Math.round(100 * el.scrollTop / room) + '%'));
+  }
   const expanded = el.getAttribute('aria-expanded');
   if (expanded === 'true' || expanded === 'false') parts.push(expanded === 'true' ? 'expanded' : 'collapsed');
   if (typeof el.className === 'string' && /\bui-(state|tabs)-active\b/.test(el.className)) parts.push('active');
@@ -71,7 +77,7 @@ const walk = (el, depth, inSelect) => {
   const kids = Array.from(el.childNodes).filter(
     (n) => (n.nodeType === Node.TEXT_NODE && n.data.trim()) || (n.nodeType === Node.ELEMENT_NODE && n.tagName !== 'BR'));
   const textOnly = kids.every((n) => n.nodeType === Node.TEXT_NODE);
-  const ownText = textOnly ? el.textContent : '';
+  const ownText = textOnly && el.tagName !== 'TEXTAREA' ? el.textContent : '';  // a textarea shows its value
   const printed = ACTIONABLE.has(el.tagName) || ownText.trim() !== '' || el.hasAttribute('onclick') ||
       el.hasAttribute('tabindex') || (kids.length === 0 && (el.id || classesOf(el).length > 0));
   let childDepth = depth;
