@@ -94,7 +94,7 @@ class MiniWoBEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     success_threshold: ClassVar[float] = 1.0
     blocking: ClassVar[bool] = True  # every call waits on the browser
-    # The shared suite's sweep: each session starts a browser (~0.5-1 s of CPU, ~300 MB), so few
+    # The shared suite's sweep: each session starts a browser (0.5-2 s of CPU, ~400 MB), so few
     # at a time; tests/test_miniwob.py covers every oracle task.
     oracle_sweep_episodes: ClassVar[int] = 16
     oracle_sweep_concurrency: ClassVar[int] = 2
@@ -105,7 +105,7 @@ class MiniWoBEnv(Environment):
         self.browser: Browser | None = None
         self.task: tasks.Task | None = None
         self._observation = ""
-        self._lines: list[str] = []  # the page lines of the current observation (without indentation)
+        self._lines: list[str] = []  # the page lines the current observation shows (without indentation)
         self._done = False
         self._raw_reward = 0.0
 
@@ -143,7 +143,7 @@ class MiniWoBEnv(Environment):
 
     def _render(self) -> str:
         utterance, lines = self.browser.render(MAX_TEXT)
-        self._lines = [line for _, line in lines]
+        self._lines = [line for _, line in lines[:MAX_LINES]]
         shown = ["  " * depth + line for depth, line in lines[:MAX_LINES]]
         if len(lines) > MAX_LINES:
             shown.append(f"... ({len(lines) - MAX_LINES} more elements)")
