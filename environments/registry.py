@@ -16,6 +16,8 @@ ENVIRONMENTS: dict[str, str] = {
     "sciworld": "environments.sciworld.env:SciWorldEnv",
     "textarena": "environments.textarena.env:TextArenaEnv",
     "textworld": "environments.textworld.env:TextWorldEnv",
+    "search": "environments.search.env:SearchEnv",
+    "sql": "environments.sql.env:SQLEnv",
 }
 
 
