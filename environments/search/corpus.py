@@ -8,9 +8,9 @@ those facts and need one to three retrievals; e.g. "What is the capital of the c
 the city of Lyon is located?" needs the Lyon document (-> France), then the France document.
 
 Each question carries its `plan`: one BM25 query per hop with the document that hop must find.
-A question is kept only when every planned query retrieves its document within the top `TOP_K`
-and the answer is written in the last hop's document, so every kept answer is verified against
-the index the server searches. Corpus, index (`bm25s`) and questions are built once into
+A question is kept only when every planned query retrieves its document within the top `TOP_K`,
+the answer is written in the last hop's document and, for a multi-hop question, not in the
+first one, so every kept answer is verified against the index the server searches. Corpus, index (`bm25s`) and questions are built once into
 `cache_dir()`, in a folder named by `CORPUS_VERSION`; the build is deterministic (sorted data,
 seeded shuffles), so every machine gets the same task ids.
 """
@@ -244,7 +244,11 @@ def _build(out: pathlib.Path) -> None:
     retriever.save(str(out / "index"), show_progress=False)
     found = iter(search_many(retriever, [query for q in candidates for query, _ in q.plan]))
     hits = [[doc in next(found) for _, doc in q.plan] for q in candidates]  # every hop, in order
-    verified = [all(h) and q.answers[0] in docs[q.plan[-1][1]].text for q, h in zip(candidates, hits)]
+    # kept: every hop finds its document, the last one states the answer, and a multi-hop
+    # question's first document does not (so the later hops are needed)
+    verified = [all(h) and q.answers[0] in docs[q.plan[-1][1]].text
+                and (q.hops == 1 or q.answers[0] not in docs[q.plan[0][1]].text)
+                for q, h in zip(candidates, hits)]
     kept = [dataclasses.asdict(q) for q in select_questions(candidates, verified)]
     with open(out / "corpus.jsonl", "w", encoding="utf-8") as f:
         for d in docs:
