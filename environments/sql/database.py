@@ -8,7 +8,8 @@ whole. "NA" becomes NULL. The file is built into `cache_dir()` in a folder named
 
 `ReadOnlyConnection` is how a session runs SQL: the file opened with `mode=ro`, an authorizer
 that allows only reads (no writes, ATTACH, schema changes, transactions, writing pragmas or
-`load_extension`), extension loading off, a per-statement time limit (a progress handler) and a
+`load_extension`), extension loading off, a per-statement time limit (a progress handler
+counting the statement's thread CPU time, so a loaded machine does not cut honest queries) and a
 cap on the rows fetched. Refusals and failures raise `QueryError` with a message for the agent.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 DB_VERSION = "v1"  # bump when the tables or the subsample change (task ids change)
 CACHE_ENV_VAR = "AGENTGYM_SQL_CACHE"
 FLIGHT_SUBSAMPLE = 10  # keep flights rows 0, 10, 20, ... of the package's 336,776
-STATEMENT_TIME_LIMIT_S = 2.0  # a statement running longer is interrupted
+STATEMENT_TIME_LIMIT_S = 2.0  # CPU seconds; a statement using more is interrupted (gold queries use < 0.05)
 MAX_ROWS = 1000  # rows fetched per statement; the rest are not read
 MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: no string or blob past 1 MB (randomblob bombs)
 PROGRESS_EVERY = 10_000  # VM instructions between time-limit checks
@@ -183,12 +184,12 @@ class ReadOnlyConnection:
         return sqlite3.SQLITE_DENY
 
     def _over_time(self) -> int:
-        return 1 if time.monotonic() > self._deadline else 0  # non-zero interrupts the statement
+        return 1 if time.thread_time() > self._deadline else 0  # non-zero interrupts the statement
 
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]], bool]:
         """Runs one statement -> (column names, up to `max_rows` rows, whether rows were left unread)."""
         self._refusal = None
-        self._deadline = time.monotonic() + self.time_limit_s
+        self._deadline = time.thread_time() + self.time_limit_s  # the handler runs on this thread
         cursor = None
         try:
             cursor = self._conn.execute(sql)
@@ -198,7 +199,7 @@ class ReadOnlyConnection:
             if self._refusal:
                 raise QueryError(self._refusal) from None
             if isinstance(e, sqlite3.OperationalError) and str(e) == "interrupted":
-                raise QueryError(f"the statement ran longer than the {self.time_limit_s:g} s time limit and was stopped") from None
+                raise QueryError(f"the statement used more than the {self.time_limit_s:g} s (CPU) time limit and was stopped") from None
             raise QueryError(f"{type(e).__name__}: {e}") from None
         finally:
             self._deadline = float("inf")

@@ -6,7 +6,7 @@ equals the gold query's: as multisets of rows, or as lists when the question fix
 column names do not matter, column count and values do (floats compared at 6 decimals, 3.0
 equals 3). Every statement runs on the session's read-only connection (`database.py`): writes,
 ATTACH, schema changes and `load_extension` are refused with a message saying so, statements
-stop after `STATEMENT_TIME_LIMIT_S`, and at most `MAX_ROWS` rows are read. An episode ends
+stop after `STATEMENT_TIME_LIMIT_S` of CPU time, and at most `MAX_ROWS` rows are read. An episode ends
 unanswered after `MAX_TURNS` turns.
 
 Tasks: `tasks.py`'s templates over the database, at three levels; oracle: the gold SQL.
@@ -99,7 +99,6 @@ class SQLEnv(Environment):
         self.task: tasks.Task | None = None
         self.turns = 0
         self.answer_rows: list[tuple[Any, ...]] | None = None
-        self._gold: list[tuple[Any, ...]] | None = None
         self._observation = ""
 
     @classmethod
@@ -114,7 +113,7 @@ class SQLEnv(Environment):
             has_oracle=cls.has_oracle,
             metadata={"levels": [t.level for t in all_tasks], "templates": [t.template for t in all_tasks],
                       "max_turns": MAX_TURNS, "max_rows": database.MAX_ROWS,
-                      "statement_time_limit_s": database.STATEMENT_TIME_LIMIT_S,
+                      "statement_cpu_time_limit_s": database.STATEMENT_TIME_LIMIT_S,
                       "flight_subsample": database.FLIGHT_SUBSAMPLE, "db_version": database.DB_VERSION},
         )
 
@@ -130,14 +129,9 @@ class SQLEnv(Environment):
         if not 0 <= data_idx < len(all_tasks):
             raise ValueError(f"sql task id {data_idx} out of range [0, {len(all_tasks)})")
         self.task = all_tasks[data_idx]
-        self.turns, self.answer_rows, self._gold = 0, None, None
+        self.turns, self.answer_rows = 0, None
         self._observation = f"Question: {self.task.question}"
         return self._observation
-
-    def gold(self) -> list[tuple[Any, ...]]:
-        if self._gold is None:
-            self._gold = self.conn.query(self.task.sql)[1]
-        return self._gold
 
     def step(self, action: str) -> StepResult:
         self.turns += 1
@@ -175,8 +169,8 @@ class SQLEnv(Environment):
         return ["execute SELECT name, sql FROM sqlite_master WHERE type = 'table'", "answer <SQL>"]
 
     def verify(self) -> bool:
-        """The submitted query's rows equal the gold rows (a truncated result never does)."""
-        return self.answer_rows is not None and same_result(self.answer_rows, self.gold(), self.task.ordered)
+        """The submitted query's rows equal the gold rows (stored with the task; a truncated result never does)."""
+        return self.answer_rows is not None and same_result(self.answer_rows, list(self.task.gold), self.task.ordered)
 
     def oracle_action(self) -> str:
         return f"answer {self.task.sql}"

@@ -30,6 +30,7 @@ class Task:
     question: str
     sql: str  # the gold query
     ordered: bool  # True: the question fixes the row order
+    gold: tuple[tuple[Any, ...], ...] = ()  # the gold query's rows, computed at generation
 
 
 Query = Callable[[str], list[tuple[Any, ...]]]
@@ -224,7 +225,7 @@ def generate(db_path: pathlib.Path) -> list[Task]:
                 rows = query(task.sql)
                 if not rows or len(rows) > MAX_GOLD_ROWS or all(v is None for row in rows for v in row):
                     continue
-                tasks.append(dataclasses.replace(task, template=name, level=level))
+                tasks.append(dataclasses.replace(task, template=name, level=level, gold=tuple(rows)))
                 kept += 1
                 if kept == PER_TEMPLATE:
                     break
@@ -241,4 +242,4 @@ def ensure_tasks(db_path: pathlib.Path) -> list[Task]:
         tmp = path.with_name(f".{path.name}.{random.SystemRandom().getrandbits(64):x}")
         tmp.write_text(json.dumps([dataclasses.asdict(t) for t in generate(db_path)], indent=0, sort_keys=True))
         tmp.replace(path)
-    return [Task(**t) for t in json.loads(path.read_text())]
+    return [Task(**{**t, "gold": tuple(tuple(row) for row in t["gold"])}) for t in json.loads(path.read_text())]
