@@ -10,9 +10,10 @@ the city of Lyon is located?" needs the Lyon document (-> France), then the Fran
 Each question carries its `plan`: one BM25 query per hop with the document that hop must find.
 A question is kept only when every planned query retrieves its document within the top `TOP_K`,
 the answer is written in the last hop's document and, for a multi-hop question, not in the
-first one, so every kept answer is verified against the index the server searches. Corpus, index (`bm25s`) and questions are built once into
-`cache_dir()`, in a folder named by `CORPUS_VERSION`; the build is deterministic (sorted data,
-seeded shuffles), so every machine gets the same task ids.
+first one, so every kept answer is verified against the index the server searches. Corpus,
+index (`bm25s`) and questions are built once into `cache_dir()`, in a folder named by
+`CORPUS_VERSION`; the build is deterministic (sorted data, seeded shuffles), so every machine
+gets the same task ids.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ class SearchEnv(Environment):
         if kind == "answer":
             self.answer = _ANSWER.findall(action)[-1].strip()
             em = exact_match(self.answer, self.question.answers)
-            self._observation = ("Your answer is correct." if em else "Your answer is incorrect.") + " The episode is over."
+            verdict = "correct" if em else "incorrect"
+            self._observation = f"Your answer is {verdict}. The episode is over."
             return self.result(self._observation, float(em), True, invalid=False, em=float(em),
                                f1=f1_score(self.answer, self.question.answers), searches=len(self.searches))
         if kind == "search" and content:

@@ -199,7 +199,8 @@ class ReadOnlyConnection:
             if self._refusal:
                 raise QueryError(self._refusal) from None
             if isinstance(e, sqlite3.OperationalError) and str(e) == "interrupted":
-                raise QueryError(f"the statement used more than the {self.time_limit_s:g} s (CPU) time limit and was stopped") from None
+                raise QueryError(f"the statement used more than the {self.time_limit_s:g} s (CPU) time limit "
+                                 "and was stopped") from None
             raise QueryError(f"{type(e).__name__}: {e}") from None
         finally:
             self._deadline = float("inf")

@@ -80,7 +80,8 @@ def same_result(got: list[tuple[Any, ...]], gold: list[tuple[Any, ...]], ordered
 
 def render(columns: list[str], rows: list[tuple[Any, ...]], more: bool) -> str:
     """`a | b` lines: a header, the first `SHOWN_ROWS` rows and a count line."""
-    lines = [" | ".join(columns)] + [" | ".join("NULL" if v is None else str(v) for v in row) for row in rows[:SHOWN_ROWS]]
+    lines = [" | ".join(columns)]
+    lines += [" | ".join("NULL" if v is None else str(v) for v in row) for row in rows[:SHOWN_ROWS]]
     total = f"more than {len(rows)}" if more else str(len(rows))
     shown = f", showing the first {SHOWN_ROWS}" if len(rows) > SHOWN_ROWS else ""
     return "\n".join(lines + [f"({total} rows{shown})"])
@@ -152,7 +153,8 @@ class SQLEnv(Environment):
             return self._end_or_go_on(render(columns, rows, more), out_of_turns, invalid=False)
         self.answer_rows = rows if not more else None
         correct = self.verify()
-        self._observation = ("Your answer is correct." if correct else "Your answer is incorrect.") + " The episode is over."
+        verdict = "correct" if correct else "incorrect"
+        self._observation = f"Your answer is {verdict}. The episode is over."
         return self.result(self._observation, float(correct), True, invalid=False, answer_rows=len(rows))
 
     def _end_or_go_on(self, observation: str, out_of_turns: bool, invalid: bool, **info: Any) -> StepResult:
