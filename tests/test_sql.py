@@ -183,6 +183,18 @@ def test_answers_are_compared_with_gold_with_order_only_when_asked(url):
     assert failed["done"] and failed["reward"] == 0 and "no such table" in failed["info"]["sql_error"]
 
 
+def test_action_parsing_keeps_multi_line_sql_and_drops_code_fences():
+    parse = SQLEnv.parse_action
+    assert parse("Thought: count.\nAction:\n```sql\nexecute SELECT COUNT(*)\nFROM flights\n```") == \
+        "execute SELECT COUNT(*)\nFROM flights"
+    env = SQLEnv()
+    env.reset(0)
+    result = env.step(parse("Action: execute ```SELECT COUNT(*) FROM airlines```"))  # fences around the SQL only
+    assert result.observation.split("\n")[1] == "16" and not result.info["invalid_action"]
+    assert parse("Thought: nothing to do.\nAction:   ") is None
+    env.close()
+
+
 def test_the_turn_limit_ends_an_episode():
     env = SQLEnv()
     env.reset(0)

@@ -29,7 +29,7 @@ TEST_EVERY = 10  # task ids divisible by this form the test split
 FLOAT_DIGITS = 6  # result values are compared rounded to this many decimals
 
 _ACTION = re.compile(r"^(execute|answer)\b\s*(.*)$", re.IGNORECASE | re.DOTALL)
-_FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
+_FENCE = re.compile(r"^```(?:[a-zA-Z]+\n)?\s*|\s*```$")  # ```sql\n ... ``` or ```...```
 _MARKER = re.compile(r"Action:\s*", re.IGNORECASE)
 
 
