@@ -20,7 +20,7 @@ from agentgym_jax.envs.dialects import DialectClient, dialect_client_factory
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
 from environments.search import corpus
-from environments.search.env import MAX_TURNS, SearchEnv, exact_match, f1_score, normalize_answer
+from environments.search.env import MAX_TURNS, NOTHING_FOUND, SearchEnv, exact_match, f1_score, normalize_answer
 from tests.servers import REPO, request_json, start_server
 
 
@@ -112,6 +112,18 @@ def test_invalid_turns_and_the_turn_limit():
         assert result.info["invalid_action"] and result.reward == 0
         assert result.done == (turn == MAX_TURNS)
     assert "used all" in result.observation and not env.verify()
+
+
+def test_queries_without_indexed_words_and_huge_queries_are_ordinary_turns():
+    env = SearchEnv()
+    env.reset(0)
+    for query in ("the of and", "???", "zzqqxx", "東京"):  # stopwords, punctuation, unknown words
+        result = env.step(f"<search>{query}</search>")
+        assert result.observation == f"<information>{NOTHING_FOUND}</information>", query
+        assert not result.info["invalid_action"] and not result.done
+    env.turns = 0
+    huge = env.step("<search>" + "Lyon " * 50_000 + "</search>")  # cut at MAX_QUERY_CHARS
+    assert huge.observation.startswith("<information>Doc 1(Title: Lyon)")
 
 
 def test_oracle_solves_every_test_id():

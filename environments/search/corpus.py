@@ -220,16 +220,22 @@ TEMPLATES = {
 }
 
 
-def tokenize(texts: list[str], show_progress: bool = False):
-    return bm25s.tokenize(texts, stopwords=STOPWORDS, show_progress=show_progress)
-
-
 def search_many(retriever: bm25s.BM25, queries: list[str], k: int = TOP_K) -> list[list[int]]:
-    """Top-`k` document indices per query, best first ([len(queries), k])."""
+    """Top-`k` document indices per query, best first; none for a query without an indexed word.
+
+    Words the index has never seen are dropped first (bm25s fails on them, and on the empty
+    token its vocabulary holds); a query of stopwords or unknown words finds nothing.
+    """
+    vocab = retriever.vocab_dict
     tokens = bm25s.tokenize(queries, stopwords=STOPWORDS, return_ids=False, show_progress=False)
-    tokens = [t if t else [""] for t in tokens]  # a query of stopwords only matches nothing
-    results, _ = retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-    return results.tolist()
+    known = [[t for t in query if t and t in vocab] for query in tokens]
+    asked = [i for i, query in enumerate(known) if query]
+    found: list[list[int]] = [[] for _ in queries]
+    if asked:
+        results, _ = retriever.retrieve([known[i] for i in asked], k=k, show_progress=False, n_threads=1)
+        for i, row in zip(asked, results.tolist()):
+            found[i] = row
+    return found
 
 
 def cache_dir() -> pathlib.Path:
@@ -242,7 +248,8 @@ def _build(out: pathlib.Path) -> None:
     """Writes corpus.jsonl, questions.json and index/ into `out` (an empty folder)."""
     docs, candidates = build_documents_and_questions()
     retriever = bm25s.BM25()
-    retriever.index(tokenize([d.contents() for d in docs]), show_progress=False)
+    retriever.index(bm25s.tokenize([d.contents() for d in docs], stopwords=STOPWORDS, show_progress=False),
+                    show_progress=False)
     retriever.save(str(out / "index"), show_progress=False)
     found = iter(search_many(retriever, [query for q in candidates for query, _ in q.plan]))
     hits = [[doc in next(found) for _, doc in q.plan] for q in candidates]  # every hop, in order

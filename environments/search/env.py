@@ -7,7 +7,8 @@ answer text is the last `<answer>` block, as AgentGym's scorer reads it). Reward
 answer equals a gold answer after SQuAD normalisation (lower case, no punctuation or articles),
 else 0; `info` carries `em` and token `f1`. Departures from AgentGym: an answer ends the episode
 whether right or wrong (theirs lets a wrong answer try again, which rewards guessing), and an
-episode ends unanswered after `MAX_TURNS` turns.
+episode ends unanswered after `MAX_TURNS` turns; queries are cut at `MAX_QUERY_CHARS`; a query
+without any indexed word answers that no document matches.
 
 The corpus and questions are `corpus.py`'s (built once per machine). Oracle: the question's
 planned searches, one per hop, then the gold answer.
@@ -26,6 +27,7 @@ from environments.search import corpus
 
 MAX_TURNS = 10  # searches + the answer; far above the 3 hops the longest question needs
 TEST_EVERY = 10  # task ids divisible by this form the test split
+MAX_QUERY_CHARS = 500  # a longer query is cut here (a 100 KB query would hold the event loop for seconds)
 
 INSTRUCTION = (
     "Answer the question using a search engine over a collection of short documents about "
@@ -39,6 +41,7 @@ INVALID = (
     "Your previous action is invalid. To search, put the query between <search> and </search>. "
     "To give the final answer, put it between <answer> and </answer>. Please try again."
 )
+NOTHING_FOUND = "No document matches the query: it has no word the documents use (besides stopwords)."
 _TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _PUNCTUATION = frozenset(string.punctuation)
@@ -71,7 +74,7 @@ def f1_score(prediction: str, golds: tuple[str, ...]) -> float:
 def render_information(documents: list[corpus.Document]) -> str:
     """AgentGym SearchQA's layout: `Doc i(Title: t) text` per line, inside <information>."""
     lines = "\n".join(f"Doc {i + 1}(Title: {d.title}) {d.text}" for i, d in enumerate(documents))
-    return f"<information>{lines}</information>"
+    return f"<information>{lines or NOTHING_FOUND}</information>"
 
 
 class SearchEnv(Environment):
@@ -130,7 +133,7 @@ class SearchEnv(Environment):
                                f1=f1_score(self.answer, self.question.answers), searches=len(self.searches))
         if kind == "search" and content:
             self.searches.append(content)
-            self._observation = render_information(corpus.load().search(content))
+            self._observation = render_information(corpus.load().search(content[:MAX_QUERY_CHARS]))
             invalid = False
         else:
             self._observation, invalid = INVALID, True
