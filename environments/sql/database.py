@@ -20,7 +20,6 @@ import importlib.util
 import io
 import os
 import pathlib
-import shutil
 import sqlite3
 import tempfile
 import time
