@@ -174,6 +174,7 @@ def _digest(folder: pathlib.Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # a full rebuild: 30-70 s on 2 loaded cores
 def test_build_is_deterministic_across_processes(tmp_path):
     """A fresh build in another process (another hash seed) writes the same files as the cache."""
     cached = _digest(corpus.ensure_built())

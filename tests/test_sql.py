@@ -214,6 +214,7 @@ def test_session_cap():
         assert request_json(capped, "POST", "/create", {})[0] == 200
 
 
+@pytest.mark.slow  # a full rebuild: 30-70 s on 2 loaded cores
 def test_build_is_deterministic_across_processes(tmp_path, db_path):
     """A fresh build in another process (another hash seed) gives the same file and tasks as the cache."""
     script = ("import sys, pathlib; from environments.sql import database, tasks; "
