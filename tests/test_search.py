@@ -161,7 +161,7 @@ def test_searchqa_dialect_plays_against_our_server(url, tasks):
 
 
 def test_session_cap():
-    with start_server("search", max_sessions=2) as capped:
+    with start_server("search", max_sessions=2, timeout_s=600) as capped:  # may build the corpus first
         ids = [request_json(capped, "POST", "/create", {})[1]["id"] for _ in range(2)]
         status, body = request_json(capped, "POST", "/create", {})
         assert status == 503 and "session cap 2" in body["error"]

@@ -206,7 +206,7 @@ def test_the_turn_limit_ends_an_episode():
 
 
 def test_session_cap():
-    with start_server("sql", max_sessions=2) as capped:
+    with start_server("sql", max_sessions=2, timeout_s=600) as capped:  # may build the database first
         ids = [request_json(capped, "POST", "/create", {})[1]["id"] for _ in range(2)]
         status, body = request_json(capped, "POST", "/create", {})
         assert status == 503 and "session cap 2" in body["error"]
