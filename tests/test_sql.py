@@ -6,6 +6,7 @@ determinism tests run it too (`tests/test_environments.py`)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import sqlite3
@@ -225,4 +226,5 @@ def test_build_is_deterministic_across_processes(tmp_path, db_path):
     tasks_file = f"tasks-{tasks.TASKS_VERSION}.json"
     assert _sha(fresh / "nycflights13.sqlite") == _sha(db_path)
     assert (fresh / tasks_file).read_text() == (db_path.parent / tasks_file).read_text()
-    assert sqlite3.connect(fresh / "nycflights13.sqlite").execute("SELECT COUNT(*) FROM flights").fetchone() == (33678,)
+    with contextlib.closing(sqlite3.connect(fresh / "nycflights13.sqlite")) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM flights").fetchone() == (33678,)

@@ -279,6 +279,7 @@ def ensure_built(root: pathlib.Path | None = None) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{CORPUS_VERSION}-build-"))
     try:
         _build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private; the cache is for every user
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first; its copy is identical
