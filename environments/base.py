@@ -91,6 +91,17 @@ class Environment(abc.ABC):
         """The oracle's next action from the current state; following it solves the task."""
 
     @classmethod
+    def check_create(cls, body: dict[str, Any]) -> None:
+        """Refuses `/create` settings this environment cannot honour (raise a `ProtocolError`).
+
+        The body is otherwise ignored: a session starts its episode at `/reset`.
+        """
+
+    def reset_fields(self) -> dict[str, Any]:
+        """Extra fields of the `/reset` answer that AgentGym's client reads (SciWorld's `task_description`)."""
+        return {}
+
+    @classmethod
     def on_server_start(cls) -> None:
         """Called once when a server for this class starts (e.g. to warm engine processes); must not block."""
 

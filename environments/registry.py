@@ -17,6 +17,8 @@ ENVIRONMENTS: dict[str, str] = {
     "textarena": "environments.textarena.env:TextArenaEnv",
     "textworld": "environments.textworld.env:TextWorldEnv",
     "miniwob": "environments.miniwob.env:MiniWoBEnv",
+    "search": "environments.search.env:SearchEnv",
+    "sql": "environments.sql.env:SQLEnv",
 }
 
 

@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--idle_timeout_s", type=float, default=900.0, help="sessions idle this long are closed")
     parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     parser.add_argument("--threads", type=int, default=None, help="thread pool size for blocking environments")
+    parser.add_argument("--agentgym_errors", action="store_true",
+                        help="answer refusals and environment failures as HTTP 200 {\"error\"} (AgentGym's "
+                             "servers' way, for their unchanged clients); default: real HTTP statuses")
     return parser.parse_args(argv)
 
 
@@ -54,6 +57,7 @@ async def serve(args: argparse.Namespace, env_cls: type[Environment]) -> None:
         auth_token=args.auth_token,
         max_body_bytes=args.max_body_bytes,
         threads=args.threads,
+        agentgym_errors=args.agentgym_errors,
     )
     runner = web.AppRunner(app, access_log=None)  # no per-request logging on the hot path
     await runner.setup()

@@ -2,7 +2,9 @@
 
 `make_app(env_cls, ...)` returns an `aiohttp.web.Application`; `environments/serve.py` runs it.
 Requests and answers are described in `docs/protocol.md`. Every error is an HTTP status with a
-JSON body `{"error": ...}`; nothing a client sends can crash the server or touch another session.
+JSON body `{"error": ...}` (with `agentgym_errors`, refusals and environment failures are HTTP
+200 `{"error": ...}`, as AgentGym's servers answer them); nothing a client sends can crash the
+server or touch another session.
 Cheap environments run inline on the event loop; `Environment.blocking = True` moves an
 environment's calls to a thread pool (one call per session at a time, per the session lock).
 """
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024  # far above any model turn; a 1 MB action is refused (413)
+ERROR_STATUS_HEADER = "X-Error-Status"  # with --agentgym_errors: the status a 200 error answer stands for
+# AgentGym's SearchQA and tool clients name the session `env_idx` and the task `id` at /reset
+TOOL_SESSION_FIELD, TOOL_TASK_FIELD = "env_idx", "id"
 UNPARSED_ACTION = (
     "Invalid action: no action found in your reply. "
     "Answer in the format \"Thought: <your thoughts> Action: <one action>\"."
@@ -42,15 +47,26 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
-def _error_middleware(env_name: str, body_limit: int):
-    """Turns every failure into a JSON `{"error"}` answer (aiohttp's own pages are text/HTML)."""
+def _agentgym_error(status: int, message: str) -> web.Response:
+    """AgentGym's env wrappers' way: HTTP 200 with `{"error"}`; the real status in a header."""
+    return web.json_response({"error": message}, headers={ERROR_STATUS_HEADER: str(status)})
+
+
+def _error_middleware(env_name: str, body_limit: int, agentgym_errors: bool = False):
+    """Turns every failure into a JSON `{"error"}` answer (aiohttp's own pages are text/HTML).
+
+    `agentgym_errors`: the errors AgentGym's servers report as HTTP 200 `{"error"}` (a refused
+    request, an environment failure) are answered that way; HTTP-level ones (unknown path,
+    wrong method, body too large, missing token) keep their status, as FastAPI gives them too.
+    """
+    refuse = _agentgym_error if agentgym_errors else _error
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ProtocolError as e:
-            return _error(e.status, str(e))
+            return refuse(e.status, str(e))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -63,7 +79,7 @@ def _error_middleware(env_name: str, body_limit: int):
                 return _error(413, f"request body too large (limit {body_limit} bytes)")
             return _error(e.status, e.text or e.reason)
         except EnvironmentFailure as e:
-            return _error(500, str(e))
+            return refuse(500, str(e))
         except Exception as e:  # a bug in the framework itself; keep serving
             log.exception("internal error on %s %s", request.method, request.path)
             return _error(500, f"internal error in the {env_name} server: {type(e).__name__}: {e}")
@@ -148,7 +164,9 @@ class EnvServer:
             ) from e
 
     def _session(self, fields: Any) -> Session:
-        return self.table.get(_pick(fields, protocol.SESSION_ID_ALIASES, int, "id"))
+        """The session a request names: `env_idx` where given (then `id` may be a task id), else `id`."""
+        aliases = (TOOL_SESSION_FIELD,) if TOOL_SESSION_FIELD in fields else protocol.SESSION_ID_ALIASES
+        return self.table.get(_pick(fields, aliases, int, "id"))
 
     @staticmethod
     def _check_live(session: Session, what: str) -> None:
@@ -171,7 +189,8 @@ class EnvServer:
     # --- handlers ---
 
     async def create(self, request: web.Request) -> web.Response:
-        await _json_body(request)  # AgentGym's TextCraft client posts settings we do not need
+        body = await _json_body(request)  # AgentGym's TextCraft client posts settings we do not need
+        self.env_cls.check_create(body)
         session = await self.table.create(functools.partial(self._call, self.env_cls))
         # TextCraft's client reads `observation` here; the episode starts with /reset.
         return web.json_response({"id": session.id, "observation": ""})
@@ -179,18 +198,19 @@ class EnvServer:
     async def reset(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         session = self._session(body)
-        data_idx = _pick(body, protocol.TASK_ID_ALIASES, int, "data_idx")
+        task_aliases = protocol.TASK_ID_ALIASES + ((TOOL_TASK_FIELD,) if TOOL_SESSION_FIELD in body else ())
+        data_idx = _pick(body, task_aliases, int, "data_idx")
         if not 0 <= data_idx < self.num_tasks:
             raise ProtocolError(f"data_idx {data_idx} out of range: valid task ids are 0..{self.num_tasks - 1}")
         async with session.lock:
             if session.closed:
                 raise ProtocolError(f"session {session.id} was closed", 404)
-            observation, score = await self._call_env(session, _reset, session.env, data_idx)
+            observation, score, extra = await self._call_env(session, _reset, session.env, data_idx)
             session.data_idx, session.done, session.broken = data_idx, False, False
             session.invalid_actions = 0
         return web.json_response(
             {"id": session.id, "data_idx": data_idx, "observation": observation,
-             "reward": 0.0, "score": score, "done": False}
+             "reward": 0.0, "score": score, "done": False, **extra}
         )
 
     async def step(self, request: web.Request) -> web.Response:
@@ -266,8 +286,9 @@ class EnvServer:
             await self.close_session(session)
 
 
-def _reset(env: Environment, data_idx: int) -> tuple[str, float]:
-    return env.reset(data_idx), env.score()
+def _reset(env: Environment, data_idx: int) -> tuple[str, float, dict[str, Any]]:
+    observation = env.reset(data_idx)
+    return observation, env.score(), env.reset_fields()
 
 
 def _step(env: Environment, text: str) -> protocol.StepResult:
@@ -286,11 +307,14 @@ def make_app(
     auth_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     threads: int | None = None,
+    agentgym_errors: bool = False,
 ) -> web.Application:
     """An aiohttp app serving `env_cls` on the plain paths and on each of its `route_prefixes`.
 
     `auth_token` guards every path but `/health` (so launchers can wait for readiness without
     it). `threads` sizes the pool used when `env_cls.blocking` (default: min(32, max_sessions)).
+    `agentgym_errors` answers refusals and environment failures as HTTP 200 `{"error"}`, for
+    AgentGym's unchanged clients (see `_error_middleware`).
     """
     table = SessionTable(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
     executor = None
@@ -300,7 +324,7 @@ def make_app(
     server = EnvServer(env_cls, table, executor)
 
     prefixes = ("",) + tuple(env_cls.route_prefixes)
-    middlewares = [_error_middleware(env_cls.name, max_body_bytes)]
+    middlewares = [_error_middleware(env_cls.name, max_body_bytes, agentgym_errors)]
     if auth_token:
         middlewares.append(_auth_middleware(auth_token, frozenset(f"{p}/health" for p in prefixes)))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)

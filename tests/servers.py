@@ -13,7 +13,7 @@
 `request_json(url, "POST", "/step", {"id": 0, "action": "move up"})` -> `(status, body)` is a
 small synchronous HTTP call for tests; 4xx/5xx answers come back as values, not exceptions.
 
-Keyword arguments become `--key=value` flags of `environments.serve`; `env_vars` adds to the
+Keyword arguments become `--key=value` flags of `environments.serve` (`key=True`: a bare `--key`); `env_vars` adds to the
 subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free port on
 127.0.0.1, the call returns once `/health` answers, and the process is killed on exit.
 """
@@ -41,7 +41,7 @@ def start_server(env: str, *, env_vars: dict[str, str] | None = None, timeout_s:
     """Runs `python -m environments.serve --env=<env> --port=0 ...` and yields its base URL."""
     flags.setdefault("port", 0)
     cmd = [sys.executable, "-m", "environments.serve", f"--env={env}"]
-    cmd += [f"--{key}={value}" for key, value in flags.items()]
+    cmd += [f"--{key}" if value is True else f"--{key}={value}" for key, value in flags.items()]
     proc_env = {**os.environ, **(env_vars or {})}
     proc_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), proc_env.get("PYTHONPATH")]))
     proc = subprocess.Popen(cmd, cwd=REPO, env=proc_env, stdout=subprocess.PIPE,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
+import urllib.request
 from typing import Any
 
 import aiohttp
@@ -16,6 +19,7 @@ from agentgym_jax.envs.dialects import DIALECTS, DialectClient, dialect_client_f
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
+from tests.servers import request_json, start_server
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +127,11 @@ class AgentGymLike:
         session.update(done=solved, observation="Crafted!" if solved else "Could not do that.")
         answer = {"observation": session["observation"], "reward": 1 if solved else 0, "done": solved}
         if self.flavour == "BabyAI":  # their client reads `score` as the reward; `reward` is something else
-            session["score"] = 1.0 if solved else 0.0
+            # solved at step 5 of max_steps 40: score = 1 - 0.9 * 5 / 40, "The task is completed."
+            session["score"] = 1 - 0.9 * 5 / 40 if solved else 0.0
             answer.update(reward=0.25 if solved else 0.0, score=session["score"])
+            if solved:
+                answer["observation"] += "\n The task is completed."
         return web.json_response(answer)
 
     async def observation(self, request: web.Request) -> web.Response:
@@ -176,7 +183,9 @@ def test_adapter_speaks_agentgym_wire_format(dialect, flavour):
     fake, session, first, miss, hit, observed, unknown, finished, health = asyncio.run(main())
     assert first == "Goal: solve 3" and observed == "Crafted!"
     assert (miss.reward, miss.done, miss.info["success"]) == (0.0, False, False)
-    assert (hit.reward, hit.done, hit.info["success"]) == (1.0, True, True)  # BabyAI: `score`, not `reward`
+    # BabyAI: the reward is `score` (not `reward`), below 1 for a solved episode, and a success
+    solved_reward = 0.8875 if flavour == "BabyAI" else 1.0
+    assert (hit.reward, hit.done, hit.info["success"]) == (solved_reward, True, True)
     assert unknown.status == 404 and "is not valid" in unknown.message  # a 200 answer, typed as the error it is
     if finished is not None:
         assert finished.value.status == 409 and "has finished" in finished.value.message
@@ -215,3 +224,86 @@ def test_every_dialect_is_documented_and_unknown_names_fail():
         assert f"| {name} |" in table and f"`{dialect.reset_field}`" in table
     with pytest.raises(KeyError, match="valid: .*textcraft"):
         get_dialect("minecraft")
+
+
+def test_babyai_success_is_done_and_other_dialects_keep_their_threshold():
+    """The rule AgentGym's BabyAI server implies (done only when solved) vs TextCraft's reward >= 1."""
+
+    async def main():
+        async with agentgym_like("BabyAI") as (_, url), aiohttp.ClientSession() as http:
+            babyai = DialectClient(url, http, dialect="babyai")
+            session = await babyai.create()
+            await babyai.reset(session, 2)
+            solved = await babyai.step(session, "solve 2")
+            textcraft_rule = DialectClient(url, http, dialect="textcraft")  # same answers, reward >= 1 rule
+            again = await textcraft_rule.create()
+            await textcraft_rule.reset(again, 2)
+            return solved, await textcraft_rule.step(again, "solve 2")
+
+    solved, thresholded = asyncio.run(main())
+    assert solved.done and solved.reward == pytest.approx(0.8875) and solved.info["success"] is True
+    assert "The task is completed." in solved.observation
+    assert thresholded.done and thresholded.info["success"] is False  # 0.25 < 1: the old threshold would fail it
+
+
+@pytest.mark.parametrize("env", ["maze", "wordle"])
+def test_maze_and_wordle_dialects_close_their_sessions(ours, env):
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            client = DialectClient(ours[env], http, dialect=env)
+            session = await client.create()
+            await client.reset(session, 0)
+            before = (await client.health())["sessions"]
+            await client.close(session)
+            after = (await client.health())["sessions"]
+            with pytest.raises(EnvServerError) as gone:
+                await client.observation(session)
+            return before, after, gone.value.status
+
+    before, after, status = asyncio.run(main())
+    assert after == before - 1 and status == 404
+
+
+def test_close_on_a_server_without_a_close_path():
+    """AgentGym's LMRL-Gym server has no /maze/close: its 404 is fine there, not for dialects that have one."""
+
+    async def main():
+        async with agentgym_like("TextCraft") as (fake, url), aiohttp.ClientSession() as http:
+            await DialectClient(url, http, dialect="maze").close(0)  # /maze/close: 404, ignored
+            with pytest.raises(EnvServerError) as missing:
+                await DialectClient(url, http, dialect=dataclasses.replace(get_dialect("textcraft"), prefix="/x")).close(0)
+            return missing.value.status
+
+    assert asyncio.run(main()) == 404
+
+
+def test_agentgym_errors_flag_answers_errors_as_200_with_an_error_body():
+    with start_server("textcraft", agentgym_errors=True) as url, start_server("textcraft") as plain:
+        status, body = request_json(url, "POST", "/step", {"id": 12345, "action": "get 1 stick"})
+        assert status == 200 and "unknown session id 12345" in body["error"]  # as AgentGym's servers answer
+        assert request_json(plain, "POST", "/step", {"id": 12345, "action": "get 1 stick"})[0] == 404  # the default
+        status, created = request_json(url, "POST", "/create", {"commands": "craft 1 x using 1 y", "goal": "x"})
+        assert status == 200 and "custom TextCraft tasks" in created["error"]
+        assert request_json(url, "GET", "/no_such_path")[0] == 404  # HTTP-level errors keep their status
+        with urllib.request.urlopen(urllib.request.Request(
+                url + "/reset", data=json.dumps({"id": 999, "data_idx": 0}).encode(),
+                headers={"Content-Type": "application/json"})) as answer:
+            assert answer.status == 200 and answer.headers["X-Error-Status"] == "404"
+
+        async def through_the_dialect():
+            async with aiohttp.ClientSession() as http:
+                with pytest.raises(EnvServerError) as unknown:
+                    await DialectClient(url, http, dialect="textcraft").step(777, "get 1 stick")
+                return unknown.value.status
+
+        assert asyncio.run(through_the_dialect()) == 404  # typed as the error it is
+
+
+def test_textcraft_create_refuses_a_custom_task_and_accepts_empty_settings():
+    with start_server("textcraft") as url:
+        status, body = request_json(url, "POST", "/create", {"commands": "craft 1 stick using 2 planks", "goal": "stick"})
+        assert status == 400 and "custom TextCraft tasks (commands and goal" in body["error"] and "data_idx" in body["error"]
+        status, body = request_json(url, "POST", "/create", {"goal": "stick"})
+        assert status == 400 and "(goal at /create" in body["error"]
+        status, body = request_json(url, "POST", "/create", {"commands": None, "goal": None, "minecraft_dir": "x"})
+        assert status == 200 and isinstance(body["id"], int)  # what AgentGym's client sends by default

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from scienceworld.constants import ID2TASK
 
+from agentgym_jax.envs.client import EnvClient
 from agentgym_jax.envs.protocol import ProtocolError
 from environments.sciworld import tasks as task_list
 from environments.sciworld.env import STEP_LIMIT, SciWorldEnv
@@ -114,7 +116,8 @@ def test_reward_is_the_score_delta_and_valid_actions_only_on_request(simulator):
     counting = CountingSimulator(simulator)
     env = SciWorldEnv(counting)
     first = env.reset(task_id("use-thermometer", 405))
-    assert first.startswith(simulator.task_description() + "\n") and "This room is called" in first
+    assert first.startswith("This room is called")  # the description is a field of its own, as in AgentGym
+    assert env.reset_fields() == {"task_description": simulator.task_description()}
     results = play_oracle(env)
     assert counting.valid_action_calls == 0  # steps, reset and oracle never list valid actions
     scores = [0.0] + [r.info["score"] for r in results]
@@ -228,7 +231,16 @@ def test_agentgym_queries_and_reset_fields(url):
     status, reset = request_json(url, "POST", "/reset", {"id": session, "idx": data_idx})  # an alias
     assert status == 200 and reset["score"] == 0 and reset["reward"] == 0
     description = request_json(url, "GET", f"/task_description?id={session}")[1]["task_description"]
-    assert reset["observation"].startswith(description + "\n") and "living thing" in description
+    # AgentGym's server: `task_description` beside the "look around" observation; its client joins them
+    assert reset["task_description"] == description and "living thing" in description
+    assert reset["observation"].startswith("This room is called")
+    assert request_json(url, "GET", f"/observation?id={session}")[1]["observation"] == reset["observation"]
+
+    async def client_reset() -> str:
+        async with aiohttp.ClientSession() as http:
+            return await EnvClient(url, http).reset(session, data_idx)
+
+    assert asyncio.run(client_reset()) == f"{description}\n{reset['observation']}"  # ours joins them the same way
     assert "focus on" in request_json(url, "GET", f"/goals?id={session}")[1]["goals"]
     hint = request_json(url, "GET", f"/action_hint?id={session}")[1]
     assert "look around" in hint["possible_actions"] and "agent" in hint["possible_objects"]

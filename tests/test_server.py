@@ -145,9 +145,10 @@ def test_close_frees_the_session(url):
 
 
 def test_agentgym_field_aliases_and_prefixed_paths(url):
-    """What AgentGym's clients send (`env_idx`, `game`, `seed`, `/maze/...`) and read back."""
+    """What AgentGym's clients send (`env_idx`, `game`, `seed`, `/maze/...`) and read back;
+    SearchQA's `{"env_idx": session, "id": task}` names the session by `env_idx`."""
     for prefix, id_key, task_key in [("", "env_idx", "idx"), ("/maze", "id", "game"), ("", "id", "seed"),
-                                     ("/maze", "env_idx", "task_idx")]:
+                                     ("/maze", "env_idx", "task_idx"), ("", "env_idx", "id")]:
         status, created = request_json(url, "POST", f"{prefix}/create")
         assert status == 200 and created["observation"] == ""  # TextCraft's client reads it
         session = created["id"]

@@ -98,9 +98,16 @@ class EnvClient:
         return (await self.request("POST", "/create"))["id"]
 
     async def reset(self, session_id: SessionId, data_idx: int) -> str:
-        """Starts task `data_idx` in the session; returns the first observation."""
+        """Starts task `data_idx` in the session; returns the first observation.
+
+        A `task_description` field (ScienceWorld's) comes first, on its own line, as AgentGym's
+        client joins them.
+        """
         body = await self.request("POST", "/reset", body={"id": session_id, "data_idx": data_idx})
-        return _field(body, "observation")
+        observation = _field(body, "observation")
+        if isinstance(body, dict) and body.get("task_description"):
+            return f"{body['task_description']}\n{observation}"
+        return observation
 
     async def step(self, session_id: SessionId, action: str) -> StepResult:
         body = await self.request("POST", "/step", body={"id": session_id, "action": action})

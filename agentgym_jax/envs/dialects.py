@@ -41,8 +41,12 @@ class Dialect:
     reward_key: str = "reward"  # step answer field the AgentGym client reads as the reward
     done_key: str = "done"
     success_threshold: float = 1.0  # reward at or above which a finished episode counts as a success
+    # True: every finished episode is a success, whatever its reward (BabyAI's server ends an episode
+    # only when solved, with reward 1 - 0.9 * steps / max_steps, e.g. 0.8875)
+    success_when_done: bool = False
     available_actions_path: str | None = None  # GET path listing the valid actions, if the server has one
     has_close: bool = True
+    close_missing_ok: bool = False  # True: a 404 to /close is fine (AgentGym's LMRL-Gym server has none; ours has)
     error_style: str = "200 + {error}"  # how the server reports failures (documentation)
 
 
@@ -56,14 +60,14 @@ DIALECTS: dict[str, Dialect] = {
     d.name: d
     for d in [
         Dialect("textcraft", create_body=(("commands", None), ("goal", None))),
-        Dialect("babyai", reward_key="score"),
+        Dialect("babyai", reward_key="score", success_when_done=True),
         Dialect("sciworld", reset_observation_keys=("task_description", "observation"), reward_key="score",
                 success_threshold=100.0),
         Dialect("alfworld", reset_field="game", reset_extra=(("world_type", "Text"),),
                 available_actions_path="/available_actions", has_close=False),
         Dialect("maze", prefix="/maze", reset_field="game", available_actions_path="/available_actions",
-                has_close=False),
-        Dialect("wordle", prefix="/wordle", reset_field="seed", has_close=False),
+                close_missing_ok=True),
+        Dialect("wordle", prefix="/wordle", reset_field="seed", close_missing_ok=True),
         Dialect("webshop", id_field="env_idx", reset_field="session_id", create_id_key=None,
                 observation_key="state", available_actions_path="/available_actions", has_close=False,
                 error_style=_FASTAPI_500),
@@ -81,7 +85,8 @@ DIALECTS: dict[str, Dialect] = {
 }
 
 # AgentGym's messages for a session the server does not know / has finished.
-_UNKNOWN_SESSION = re.compile(r"is not valid|has been deleted|not found|not exist", re.IGNORECASE)
+# (and ours under --agentgym_errors: "unknown session id 3 (...)")
+_UNKNOWN_SESSION = re.compile(r"is not valid|has been deleted|not found|not exist|unknown session", re.IGNORECASE)
 _FINISHED = re.compile(r"has finished", re.IGNORECASE)
 
 
@@ -136,7 +141,7 @@ class DialectClient(EnvClient):
         done = bool(answer.get(d.done_key, False))
         info = dict(answer.get("info") or {}) if isinstance(answer.get("info"), dict) else {}
         info.setdefault("score", answer.get("score", reward))
-        info.setdefault("success", done and reward >= d.success_threshold)
+        info.setdefault("success", done and (d.success_when_done or reward >= d.success_threshold))
         info.setdefault("invalid_action", False)
         return StepResult(str(answer.get(d.observation_key, "")), reward, done, info)
 
@@ -159,8 +164,13 @@ class DialectClient(EnvClient):
         return str(answer["action"] if isinstance(answer, dict) else answer)
 
     async def close(self, session_id: SessionId) -> None:
-        if self.dialect.has_close:
+        if not self.dialect.has_close:
+            return
+        try:
             await self._send("POST", "/close", session_id)
+        except EnvServerError as e:
+            if not (self.dialect.close_missing_ok and e.status == 404):
+                raise
 
     async def health(self) -> dict[str, Any]:
         """Ours answer `/health`; AgentGym's greet on `GET /` (unprefixed): a 200 there means up."""

@@ -126,6 +126,7 @@ class SciWorldEnv(Environment):
         """Runs on `simulator` if given (tests), else on an engine from the warm pool."""
         self.simulator: Simulator = simulator or shared_pool().acquire()
         self.task: task_list.Task | None = None
+        self._description = ""
         self._first_observation = ""
         self._observation = ""
         self._score = 0  # the last reported score, 0..100: rewards are its changes
@@ -163,12 +164,17 @@ class SciWorldEnv(Environment):
             raise ValueError(f"ScienceWorld task id {data_idx} out of range [0, {len(all_tasks)})")
         self.task = all_tasks[data_idx]
         self.simulator.load(self.task.name, self.task.variation)
+        self._description = self.simulator.task_description()
         self._first_observation = canonical_order(self.simulator.step("look around"))
-        self._observation = f"{self.simulator.task_description()}\n{self._first_observation}"
+        self._observation = self._first_observation  # AgentGym's server: the description is its own field
         self._score = self.score()
         self._turns = []
         self._gold = None
         return self._observation
+
+    def reset_fields(self) -> dict[str, Any]:
+        """AgentGym's `/reset` answer carries the task on its own; its client (and ours) prepends it."""
+        return {"task_description": self._description}
 
     def step(self, action: str) -> StepResult:
         moves_before = self.simulator.moves()

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import random
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from agentgym_jax.envs.protocol import StepResult, TaskInfo
+from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out, parse_thought_action
 from environments.textcraft import planner
 from environments.textcraft.recipes import Cookbook, Recipe, cookbook, display_name, item_id
@@ -86,6 +86,16 @@ class TextCraftEnv(Environment):
             has_oracle=cls.has_oracle,
             metadata={"depth": [int(cookbook().depth[g]) for g in goals]},
         )
+
+    @classmethod
+    def check_create(cls, body: dict[str, Any]) -> None:
+        """AgentGym's custom task (`commands`/`goal` at `/create`) is refused, not silently ignored."""
+        custom = [key for key in ("commands", "goal") if body.get(key) is not None]
+        if custom:
+            raise ProtocolError(
+                f"custom TextCraft tasks ({' and '.join(custom)} at /create, AgentGym's custom-task option) are "
+                f"not supported: create without them and pick one of the {len(cookbook().goals)} fixed tasks "
+                "with data_idx at /reset")
 
     @classmethod
     def parse_action(cls, text: str) -> str | None:

