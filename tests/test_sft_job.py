@@ -17,7 +17,7 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
-from agentgym_jax.train import agentgym_format as agf
+from agentgym_jax.rollout import agentgym_format as agf
 from agentgym_jax.train import sft_job
 from agentgym_jax.train.metrics import read_metrics
 
