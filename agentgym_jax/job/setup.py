@@ -212,7 +212,8 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
         state, _ = ckpt.restore_raw(None if step < 0 else step)  # (TrainState, ref_params)
     finally:
         ckpt.close()
-    params = {k: np.asarray(v, dtype) for k, v in state["params"].items() if k != "value_head"}
+    policy = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
+    params = jax.tree.map(lambda x: np.asarray(x, dtype), policy)
     shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
     return jax.tree.map(distributed.rows_from_host, params, shardings)
 
