@@ -14,13 +14,13 @@ from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
+from agentgym_jax.job import setup
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.parallel.distributed import gather_objects, process_share
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.train.steps import UpdateConfig
-from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import gather_objects, process_share
 
 
 def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
@@ -97,7 +97,6 @@ def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
     return [info.instruction] + [text for share in gather_objects(local) for text in share]
 
 
-
 def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float | None = None) -> ml_collections.ConfigDict:
     """`optim` with the schedule length (and optionally the learning rate) of one training phase."""
     out = ml_collections.ConfigDict(optim.to_dict())
@@ -108,6 +107,7 @@ def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float
 
 
 def update_config(config: ml_collections.ConfigDict, model: ModelConfig) -> UpdateConfig:
+    """The jitted update's settings, from `config.algo` and `config.model`."""
     a = config.algo
     hparams = tuple(sorted(dict(a.get("advantage_hparams", {})).items()))
     return UpdateConfig(
