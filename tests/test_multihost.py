@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.parallel.distributed import gather_objects, process_share, share_bounds
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train.metrics import read_metrics
@@ -30,6 +31,19 @@ from agentgym_jax.train.metrics import read_metrics
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
 STEPS = 3
+
+
+def test_shares_are_contiguous_cover_every_item_once_and_uneven_splits_are_refused_where_rows_must_match():
+    for items, processes in ((8, 2), (3, 2), (7, 3), (1, 4)):
+        bounds = [share_bounds(items, processes, k, "tasks", even=False) for k in range(processes)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == items
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in process order
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+    assert share_bounds(8, 2, 1, "tasks") == (4, 8)
+    with pytest.raises(ValueError, match="rollout.batch_tasks: 6 do not split evenly over 4 processes"):
+        share_bounds(6, 4, 0, "rollout.batch_tasks")
+    assert process_share([5, 6, 7], "tasks", even=False) == ([5, 6, 7], 0)  # one process: everything
+    assert gather_objects({"a": [1, 2.5]}) == [{"a": [1, 2.5]}]
 
 
 def _free_port() -> int:

@@ -94,18 +94,21 @@ def initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-def process_share(items: Sequence[Any], what: str, even: bool = True) -> tuple[list[Any], int]:
-    """This process's contiguous share of `items` and the index of its first item.
+def share_bounds(num_items: int, processes: int, index: int, what: str, even: bool = True) -> tuple[int, int]:
+    """[start, end) of process `index`'s share: the `index`-th of `processes` consecutive
+    slices, so the shares in process order are the items in order (global row order equals
+    one-process row order). With `even`, a count that does not divide is an error (global
+    arrays need equal shares)."""
+    if even and num_items % processes:
+        raise ValueError(f"{what}: {num_items} do not split evenly over {processes} processes; use a multiple of {processes}")
+    bounds = np.linspace(0, num_items, processes + 1).round().astype(int)  # [processes + 1]
+    return int(bounds[index]), int(bounds[index + 1])
 
-    Process k takes the k-th of `process_count` consecutive slices, so concatenating the shares
-    in process order gives `items` back (global row order = one-process row order). With `even`,
-    a length that does not divide is an error (global arrays need equal shares).
-    """
-    n, k = jax.process_count(), jax.process_index()
-    if even and len(items) % n:
-        raise ValueError(f"{what}: {len(items)} do not split evenly over {n} processes; use a multiple of {n}")
-    bounds = np.linspace(0, len(items), n + 1).round().astype(int)  # [n + 1]
-    return list(items[bounds[k] : bounds[k + 1]]), int(bounds[k])
+
+def process_share(items: Sequence[Any], what: str, even: bool = True) -> tuple[list[Any], int]:
+    """This process's contiguous share of `items` (`share_bounds`) and the index of its first item."""
+    start, end = share_bounds(len(items), jax.process_count(), jax.process_index(), what, even)
+    return list(items[start:end]), start
 
 
 def gather_objects(obj: Any) -> list[Any]:
