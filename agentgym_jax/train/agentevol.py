@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import barrier, is_writer, process_share, to_local
+from agentgym_jax.parallel.distributed import is_writer, process_share, to_local
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
 from agentgym_jax.train.jobs import (
@@ -81,14 +81,14 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         have_demos = demos_path.exists()
         episodes = [] if have_demos else play_oracle(config, job.urls, info)
         framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
-        if not have_demos:
+        if have_demos:
+            demos = list(read_jsonl(str(demos_path)))
+        else:  # every process's share, gathered: the same base set on every process
             _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
-            demos = setup.gather_trajectories([demonstration_trajectory(framing, info, ep, group_id=first + i)
-                                         for i, ep in enumerate(episodes)])
+            played = [demonstration_trajectory(framing, info, ep, group_id=first + i) for i, ep in enumerate(episodes)]
+            demos = [d for d in setup.gather_trajectories(played) if d.success]
             if is_writer():
-                write_jsonl(str(demos_path), [d for d in demos if d.success], append=False)
-            barrier("agentevol-demonstrations")
-        demos = list(read_jsonl(str(demos_path)))
+                write_jsonl(str(demos_path), demos, append=False)
         model = setup.model_config(config, len(framing.tokenizer))
         setup.write_model_config(workdir, model)
         updates = update_config(config, model)
