@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import pytest
 
 from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.job import setup
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import build
 from agentgym_jax.train.agentevol import TrainingPhases, keep_successes, merge_dedup
+from agentgym_jax.train.jobs import update_config
 from configs import agentevol as agentevol_config
 from tests.markers import long_test
 
@@ -52,10 +53,10 @@ def test_each_iteration_schedule_spans_its_own_updates(schedule):
     config = agentevol_config.get_config()
     config.optim.lr_schedule, config.sft.batch_size = schedule, 16
     config.model.hidden_size, config.model.intermediate_size, config.model.head_dim = 32, 64, 8
-    model = build.model_config(config, vocab_size=64)
+    model = setup.model_config(config, vocab_size=64)
     mesh = make_mesh(1, -1, 1)
-    params = build.initial_params(config, model, mesh, jax.random.PRNGKey(0), value_head=False)
-    phases = TrainingPhases(config, build.update_config(config, model), mesh)
+    params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(0), value_head=False)
+    phases = TrainingPhases(config, update_config(config, model), mesh)
     (short, short_fns), (long, long_fns) = (phases.fresh_state(params, rows=rows, epochs=2) for rows in (32, 64))
     assert (short_fns is long_fns) == (schedule == "constant")
     host = jax.device_get(params)  # one device: eager collectives over 8 simulated ones can stall

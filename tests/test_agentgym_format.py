@@ -13,7 +13,7 @@ from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import agentgym_format as agf
+from agentgym_jax.rollout import agentgym_format as agf
 
 INSTRUCTION = "You are given a few useful crafting recipes to craft items in Minecraft.\nCrafting commands: craft <item>"
 SAMPLE = {

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.job.checkpoint import Checkpointer
 
 
 def _state(seed: int):
@@ -51,7 +51,7 @@ def test_sigkill_during_saves_leaves_a_restorable_checkpoint(tmp_path):
     checkpoint restores exactly."""
     script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp, sys
-        from agentgym_jax.train.checkpoint import Checkpointer
+        from agentgym_jax.job.checkpoint import Checkpointer
         ckpt = Checkpointer({str(tmp_path)!r}, every=1, keep=100)
         for step in range(1, 1000):
             state = {{"w": jnp.full((512, 512), float(step))}}

@@ -19,7 +19,7 @@ from agentgym_jax.eval.collect import AGENTGYM_NAME
 from agentgym_jax.eval.runner import TRAJECTORIES_NAME
 from agentgym_jax.rollout.collect import resume_jsonl
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
-from agentgym_jax.train import agentgym_format
+from agentgym_jax.rollout import agentgym_format
 from configs import collect as collect_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -154,9 +154,9 @@ def test_dpo_job_loss_is_finite_margin_rises_and_an_interrupted_run_resumes_exac
     # the same command continues from it and takes exactly the uninterrupted run's later steps.
     shutil.rmtree(tmp_path / "run" / "checkpoints" / str(STEPS))
     dpo_job.run(config)
-    resumed = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))[STEPS:]
-    assert [r["step"] for r in resumed] == list(range(KILLED_AFTER + 1, STEPS + 1))
-    for a, b in zip(straight[KILLED_AFTER:], resumed):
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))  # cut back to the checkpoint, then replayed
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and records[:KILLED_AFTER] == straight[:KILLED_AFTER]
+    for a, b in zip(straight[KILLED_AFTER:], records[KILLED_AFTER:]):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
     assert (tmp_path / "run" / "checkpoints" / str(STEPS)).is_dir()
 

@@ -39,7 +39,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy
 from agentgym_jax.rollout.trajectory import read_jsonl
-from agentgym_jax.train.checkpoint import Checkpointer
+from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.train.state import TrainState, make_optimizer
 from environments.maze import env as maze
 

@@ -50,3 +50,39 @@ def test_appending_after_a_restart_keeps_earlier_records(tmp_path):
 
 def test_to_scalars_flattens_nested_dicts():
     assert to_scalars({"a": {"b": {"c": 1}}, "d": np.array(2.0)}) == {"a/b/c": 1.0, "d": 2.0}
+
+
+def _tensorboard_scalars(logdir, tag):
+    """(step, value) of `tag` as TensorBoard shows it: event files in order, and a file's
+    SessionLog START at step s discards what earlier files logged at steps >= s."""
+    points = {}
+    for path in sorted(glob.glob(str(logdir / "tensorboard" / "events.*"))):
+        for e in _read_events(path):
+            if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START:
+                points = {s: v for s, v in points.items() if s < e.step}
+            for v in e.summary.value:
+                if v.tag == tag:
+                    points[e.step] = v.simple_value
+    return sorted(points.items())
+
+
+def test_resume_cuts_metrics_and_tensorboard_back_to_the_restored_step(tmp_path):
+    logger = MetricsLogger(str(tmp_path), total_steps=4, console=False)
+    for step in (1, 2, 3):  # checkpointed at 2, killed after logging 3
+        logger.log(step, {"loss": step})
+    logger.close()
+    resumed = MetricsLogger(str(tmp_path), total_steps=4, start_step=2, console=False)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+    for step in (3, 4):  # replayed with other values
+        resumed.log(step, {"loss": 10 * step})
+    resumed.close()
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert _tensorboard_scalars(tmp_path, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_a_logger_that_does_not_write_leaves_no_files(tmp_path):
+    logger = MetricsLogger(str(tmp_path / "run"), total_steps=2, console=False, write=False)
+    assert logger.log(1, {"loss": np.float32(0.5)}) == {"loss": 0.5}
+    logger.close()
+    assert not (tmp_path / "run").exists()

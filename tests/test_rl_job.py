@@ -1,5 +1,6 @@
 """The RL job end to end: a run SIGKILLed mid-training and restarted with the same command
-continues from its last checkpoint and takes exactly the steps an uninterrupted run takes."""
+continues from its last checkpoint, takes exactly the steps an uninterrupted run takes, and
+leaves each step once in metrics.jsonl, TensorBoard and trajectories.jsonl."""
 
 import json
 import os
@@ -15,6 +16,7 @@ from agentgym_jax.rl.horizon import stepwise
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.jobs import task_batch
 from environments.room.env import RoomEnv
+from tests.test_metrics import _tensorboard_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
@@ -25,7 +27,7 @@ def _command(workdir: pathlib.Path) -> list[str]:
     """A tiny job: every number is as small as the path through the code allows."""
     overrides = dict(
         workdir=workdir, seed=3, **{
-            "train.steps": STEPS, "train.checkpoint_every": 1, "train.keep_checkpoints": 10,
+            "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10,
             "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
             "eval.num_tasks": 2, "eval.horizon": 2,
             "rollout.batch_tasks": 2, "rollout.group_size": 2, "rollout.lock_step": True,
@@ -44,18 +46,21 @@ def _run(workdir: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run(_command(workdir), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
-def _last_per_step(records: list[dict]) -> dict[int, dict]:
-    """A kill between logging a step and checkpointing it repeats that step: keep the last."""
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records}
+def _per_step(records: list[dict]) -> dict[int, dict]:
+    by_step = {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records}
+    assert len(by_step) == len(records), f"a step logged twice: {[r['step'] for r in records]}"
+    return by_step
 
 
 def _trajectories_by_step(workdir: pathlib.Path) -> dict[int, list[tuple]]:
     by_step: dict[int, list[tuple]] = {}
-    for line in (workdir / "trajectories.jsonl").read_text().splitlines():
+    lines = (workdir / "trajectories.jsonl").read_text().splitlines()
+    for line in lines:
         t = json.loads(line)
         by_step.setdefault(t["policy_version"], {})[(t["group_id"], t["sample_idx"])] = (
             t["task_id"], t["status"], tuple(t["token_ids"])
         )
+    assert sum(len(rows) for rows in by_step.values()) == len(lines), "an episode recorded twice"
     return {step: sorted(rows.items()) for step, rows in by_step.items()}
 
 
@@ -69,8 +74,10 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     proc = subprocess.Popen(_command(resumed_dir), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 600
-    while not (resumed_dir / "checkpoints" / "2").is_dir():  # complete: orbax renames tmp dirs
-        assert proc.poll() is None and time.time() < deadline, "the run ended before step 2"
+    metrics_path = resumed_dir / "metrics.jsonl"
+    # Step 3 logged (and its episodes written), its checkpoint not due (every 2): the restart replays it.
+    while not (metrics_path.exists() and any(r["step"] == 3 for r in read_metrics(str(metrics_path)))):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before step 3"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -79,15 +86,18 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     resumed = _run(resumed_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    a = _last_per_step(read_metrics(str(tmp_path / "straight" / "metrics.jsonl")))
-    b = _last_per_step(read_metrics(str(resumed_dir / "metrics.jsonl")))
+    a = _per_step(read_metrics(str(tmp_path / "straight" / "metrics.jsonl")))
+    b = _per_step(read_metrics(str(resumed_dir / "metrics.jsonl")))
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    curve = _tensorboard_scalars(resumed_dir, "success_rate")
+    assert curve == [(s, b[s]["success_rate"]) for s in range(1, STEPS + 1)]
     for step in range(3, STEPS + 1):  # the steps taken after the restart
         assert b[step] == a[step], f"step {step} differs after resume"
     schedule = stepwise((1, 2), 2)
     assert [a[s]["horizon"] for s in range(1, STEPS + 1)] == [schedule.horizon(s) for s in range(STEPS)]
 
     ta, tb = _trajectories_by_step(tmp_path / "straight"), _trajectories_by_step(resumed_dir)
+    assert sorted(tb) == sorted(ta) == list(range(STEPS))
     for step in (2, 3):  # policy versions of the steps after the restart
         assert ta[step] == tb[step]
         tasks = [row[1][0] for row in ta[step][::2]]  # sample 0 of each group

@@ -17,7 +17,7 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
-from agentgym_jax.train import agentgym_format as agf
+from agentgym_jax.rollout import agentgym_format as agf
 from agentgym_jax.train import sft_job
 from agentgym_jax.train.metrics import read_metrics
 
@@ -158,7 +158,7 @@ def test_sft_launch_loss_falls_and_an_interrupted_run_resumes_exactly(tmp_path):
     # command continues from it and takes exactly the uninterrupted run's batches and updates.
     shutil.rmtree(run / "checkpoints" / str(STEPS))
     _launch(run, data)
-    resumed = read_metrics(str(run / "metrics.jsonl"))[STEPS:]
-    assert [r["step"] for r in resumed] == list(range(KILLED_AFTER + 1, STEPS + 1))
-    for a, b in zip(straight[KILLED_AFTER:], resumed):
+    records = read_metrics(str(run / "metrics.jsonl"))  # cut back to the checkpoint, then replayed
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and records[:KILLED_AFTER] == straight[:KILLED_AFTER]
+    for a, b in zip(straight[KILLED_AFTER:], records[KILLED_AFTER:]):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)

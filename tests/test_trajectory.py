@@ -1,5 +1,6 @@
 """Trajectory records: JSONL round trip, crash-safe reading, and the token batch layout."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.rollout.batch import bucket, make_token_batch
-from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, truncate_jsonl, write_jsonl
 
 
 def _trajectory(task_id=3, group_id=7, reward=1.0, status="success"):
@@ -47,6 +48,19 @@ def test_torn_last_line_is_skipped_but_corruption_elsewhere_is_an_error(tmp_path
     path.write_text("\n".join([lines[0], "{broken", lines[1]]) + "\n")
     with pytest.raises(json.JSONDecodeError):
         list(read_jsonl(str(path)))
+
+
+def test_truncate_keeps_the_steps_before_the_restored_one_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    steps = [0, 0, 1, 1, 2, 2]  # policy_version: checkpoint at step 2, step 2 was played before a kill
+    write_jsonl(str(path), [dataclasses.replace(_trajectory(task_id=i), policy_version=v) for i, v in enumerate(steps)])
+    with open(path, "a") as f:
+        f.write('{"task_id": 9')  # killed mid-write
+    truncate_jsonl(str(path), before_version=2)
+    assert [(t.task_id, t.policy_version) for t in read_jsonl(str(path))] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert path.read_text().endswith("\n") and not (tmp_path / "t.jsonl.tmp").exists()
+    truncate_jsonl(str(tmp_path / "missing.jsonl"), before_version=2)  # a first run has nothing to cut
+    assert not (tmp_path / "missing.jsonl").exists()
 
 
 def test_mismatched_lengths_are_rejected():

@@ -10,6 +10,8 @@ Writes to `out_dir`:
   `conversations` of `from`/`value`/`loss`, plus `reward`, `success`, `status`) of the record that
   counts for every (task, sample), infrastructure failures left out (`only_successful`: keep
   successes only, as AgentTraj does).
+With several processes, each plays its share into its own `trajectories.p<k>.jsonl`; process 0
+writes `agentgym.json` from every process's records.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from absl import logging
 from agentgym_jax.aio import run_sync
 from agentgym_jax.eval import job
 from agentgym_jax.eval.runner import TRAJECTORIES_NAME, play_all
+from agentgym_jax.parallel.distributed import is_writer
+from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.collect import last_attempts
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import agentgym_format, build
 
 AGENTGYM_NAME = "agentgym.json"
 
@@ -44,11 +47,13 @@ def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
     with job.open_job(config, out_dir) as run_job:
         infos, framing = run_job.infos, run_job.framing
         records = run_sync(play_all(
-            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
+            run_job.policy, run_job.pools, infos, run_job.shares, out_dir, samples_per_task=config.samples_per_task,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
-            batch_episodes=config.batch_episodes,
+            batch_episodes=config.batch_episodes, progress=is_writer(),
         ))
     dataset = dataset_records(records, list(infos), config.only_successful)
+    if not is_writer():
+        return dataset
     agentgym_format.export_file(out_dir / AGENTGYM_NAME, dataset, framing)
     successes = sum(t.success for t in dataset)
     logging.info("collected %d records into %s", len(records), out_dir)

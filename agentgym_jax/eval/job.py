@@ -8,7 +8,8 @@
   `checkpoint_step`; its `config.json` and `tokenizer/`), or "hf:<folder>" (safetensors,
   config.json and tokenizer of a Hugging Face folder).
 An output folder remembers what it was made with (`run.json`); resuming into it with another
-policy or schedule is refused rather than mixing records.
+policy or schedule is refused rather than mixing records. With several processes, each plays
+its contiguous share of every environment's tasks (`shares`) on its own servers and devices.
 """
 
 from __future__ import annotations
@@ -26,14 +27,11 @@ import ml_collections
 
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.models import hf_checkpoint
+from agentgym_jax.job import setup
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import load_config
-from agentgym_jax.parallel import partition
-from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.parallel import distributed
 from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
-from agentgym_jax.train import build
-from agentgym_jax.train.checkpoint import Checkpointer
 
 RUN_SPEC_NAME = "run.json"
 SCHEDULE_KEYS = (
@@ -67,19 +65,17 @@ def parse_urls(spec: str, envs: Sequence[str]) -> dict[str, list[str]]:
 
 @contextlib.contextmanager
 def server_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, list[str]]]:
-    """env -> server URLs: the given ones, else local servers started for the job."""
+    """env -> this process's server URLs: its share of the given ones, else local servers started for the job."""
     envs = env_names(config)
     given = parse_urls(config.env.urls, envs)
     with contextlib.ExitStack() as stack:
         urls = {}
         for env in envs:
-            if env in given:
-                urls[env] = given[env]
-            else:
-                local = ml_collections.ConfigDict(
-                    dict(name=env, urls="", num_servers=config.env.num_servers, auth_token=config.env.auth_token)
-                )
-                urls[env] = stack.enter_context(build.environment_urls(local))
+            one = ml_collections.ConfigDict(dict(  # this process's share of the given URLs, or its own servers
+                name=env, urls=",".join(given.get(env, [])), num_servers=config.env.num_servers,
+                auth_token=config.env.auth_token,
+            ))
+            urls[env] = stack.enter_context(setup.environment_urls(one))
         yield urls
 
 
@@ -113,7 +109,7 @@ def task_ids(config: ml_collections.ConfigDict, info: TaskInfo) -> list[int]:
 
 
 def check_run_spec(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> None:
-    """Writes `run.json`, or refuses an `out_dir` that holds a run made with other settings."""
+    """Writes `run.json` (process 0), or refuses an `out_dir` that holds a run made with other settings."""
     spec = {key: config[key] for key in SCHEDULE_KEYS}
     path = out_dir / RUN_SPEC_NAME
     if path.exists():
@@ -124,17 +120,20 @@ def check_run_spec(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> 
                 f"{out_dir} holds a run with other settings {changed} (old, new); use another out_dir"
             )
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec, indent=2))
+    distributed.barrier("run-spec-checked")  # every process read the old spec before it is replaced
+    if distributed.is_writer():
+        path.write_text(json.dumps(spec, indent=2))
 
 
 def make_policy(
     config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], out_dir: pathlib.Path
 ) -> tuple[Policy, ChatFraming]:
-    """The configured policy and the chat framing its trajectories are tokenized with."""
+    """The configured policy and the chat framing its trajectories are tokenized with; a model
+    runs on this process's devices (`setup.sampler_mesh`)."""
     kind, _, where = config.policy.partition(":")
     if kind == "oracle" and not where:
         corpus = [info.instruction for info in infos.values()]
-        framing = build.tokenizer_and_framing(config, out_dir, corpus)
+        framing = setup.tokenizer_and_framing(config, out_dir, corpus)
         return OraclePolicy(framing, config.rollout.action_format), framing
     if kind not in ("checkpoint", "hf") or not where:
         raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>' or 'hf:<dir>', got {config.policy!r}")
@@ -144,38 +143,27 @@ def make_policy(
     config = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy
     if kind == "hf":
         config.model.hf_dir = str(folder)
-    framing = build.tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, <workdir>/tokenizer
+    framing = setup.tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, <workdir>/tokenizer
     model = load_config(folder)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh = setup.sampler_mesh(config)
     if kind == "hf":
-        params = build.initial_params(config, model, mesh, jax.random.key(0), value_head=False)
+        params = setup.initial_params(config, model, mesh, jax.random.key(0), value_head=False)
     else:
         dtype = jnp.dtype(config.model.param_dtype)
-        params = checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
-    rollout = build.rollout_config(config, temperature=config.temperature, group_size=1)
-    sampler = build.make_sampler(config, model, framing, rollout)
+        params = setup.checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
+    rollout = setup.rollout_config(config, temperature=config.temperature, group_size=1)
+    sampler = setup.make_sampler(config, model, framing, rollout)
     return ModelPolicy(sampler, framing, params, rollout), framing
-
-
-def checkpoint_params(directory: pathlib.Path, step: int, model, mesh, dtype):
-    """The policy params of an RL checkpoint `(TrainState, ref_params)` (step -1: the latest),
-    placed in their shardings over `mesh`."""
-    ckpt = Checkpointer(str(directory), every=1)
-    try:
-        state, _ = ckpt.restore_raw(None if step < 0 else step)  # (TrainState, ref_params)
-    finally:
-        ckpt.close()
-    params = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
-    shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x, dtype), s), params, shardings)
 
 
 @dataclasses.dataclass
 class Job:
-    """What an eval or collect run plays: per environment its task info, task ids and pool."""
+    """What an eval or collect run plays: per environment its task info, task ids (`schedule`,
+    all processes'; `shares`, this process's) and this process's pool."""
 
     infos: dict[str, TaskInfo]
     schedule: dict[str, list[int]]
+    shares: dict[str, list[int]]
     policy: Policy
     framing: ChatFraming | None
     pools: dict[str, Any]
@@ -183,11 +171,17 @@ class Job:
 
 @contextlib.contextmanager
 def open_job(config: ml_collections.ConfigDict, out_dir: pathlib.Path) -> Iterator[Job]:
-    """Checks the run folder, reaches (or starts) the servers and builds the policy and pools."""
+    """Joins the processes, checks the run folder, reaches (or starts) this process's servers
+    and builds the policy and pools. The task info is process 0's, so all agree on the ids."""
+    distributed.initialize_distributed()
     check_run_spec(config, out_dir)
     with server_urls(config) as urls:
-        infos = {env: build.fetch_task_info(config.env, env_urls) for env, env_urls in urls.items()}
+        infos = {}
+        for env, env_urls in urls.items():
+            body = setup.fetch_task_info(config.env, env_urls).to_json() if distributed.is_writer() else None
+            infos[env] = TaskInfo.from_json(distributed.broadcast_object(body))
         schedule = {env: task_ids(config, info) for env, info in infos.items()}
+        shares = {env: distributed.process_share(ids, f"{env} tasks", even=False)[0] for env, ids in schedule.items()}
         policy, framing = make_policy(config, infos, out_dir)
-        pools = {env: build.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
-        yield Job(infos, schedule, policy, framing, pools)
+        pools = {env: setup.make_pool(config.env, env_urls) for env, env_urls in urls.items()}
+        yield Job(infos, schedule, shares, policy, framing, pools)

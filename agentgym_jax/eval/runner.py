@@ -6,6 +6,8 @@ Per environment, every (task, sample) is played (`rollout/collect.py`: batches, 
 infrastructure errors as new attempts, `trajectories.jsonl` written as it goes, resumable), then
 `eval/accounting.py` summarizes the records against the schedule and `eval/report.py` writes
 summary.json, summary.md and the PNG plots to `out_dir`. Definitions: docs/evaluation.md.
+With several processes, each plays its share of the tasks into its own `trajectories.p<k>.jsonl`,
+and process 0 summarizes every process's records and writes the report once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.eval import job
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
+from agentgym_jax.job.setup import gather_trajectories, process_file
+from agentgym_jax.parallel.distributed import is_writer
 from agentgym_jax.rollout.collect import Policy, collect, resume_jsonl
+from agentgym_jax.rollout.trajectory import Trajectory
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
 SCHEDULE_NAME = "schedule.json"  # what `load_summary` (and `eval/compare.py`) needs to recount a run
@@ -37,13 +42,16 @@ async def play_all(
     out_dir: pathlib.Path,
     **collect_kwargs,
 ) -> list:
-    """Every environment's scheduled episodes, one after the other, into one JSONL file."""
+    """Every environment's scheduled episodes (this process's `schedule`), one after the other,
+    into this process's JSONL file; returns the records of every process."""
     records = []
+    path = process_file(out_dir, TRAJECTORIES_NAME)
     for env, pool in pools.items():
+        if not schedule[env]:
+            continue
         async with pool:
-            path = out_dir / TRAJECTORIES_NAME
             records += await collect(policy, pool, infos[env], schedule[env], path=path, **collect_kwargs)
-    return records
+    return gather_trajectories(records)
 
 
 def evaluate(
@@ -59,28 +67,39 @@ def evaluate(
     max_attempts: int = 1,
     batch_episodes: int = 64,
     progress: bool = True,
+    shares: Mapping[str, Sequence[int]] | None = None,
 ) -> EvalSummary:
-    """Plays the schedule (env -> task ids) with unopened `pools` and writes the report."""
+    """Plays the schedule (env -> task ids; this process plays `shares`, default all of it)
+    with unopened `pools`; process 0 writes the report of every process's episodes."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     thresholds = {env: info.success_threshold for env, info in infos.items()}
     schedule_record = {"samples_per_task": samples_per_task, "thresholds": thresholds,
                        "task_ids": {env: list(map(int, ids)) for env, ids in schedule.items()}}
-    (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
+    if is_writer():
+        (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
     records = run_sync(play_all(
-        policy, pools, infos, schedule, out_dir, samples_per_task=samples_per_task, horizon=horizon,
-        seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes, progress=progress,
+        policy, pools, infos, schedule if shares is None else shares, out_dir, samples_per_task=samples_per_task,
+        horizon=horizon, seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes,
+        progress=progress and is_writer(),
     ))
     summary = summarize(records, thresholds, samples_per_task, schedule)
-    write_report(summary, str(out_dir))
+    if is_writer():
+        write_report(summary, str(out_dir))
     return summary
+
+
+def trajectory_files(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The run's trajectory files: `trajectories.jsonl`, or one per process (`trajectories.p<k>.jsonl`)."""
+    paths = [out_dir / TRAJECTORIES_NAME, *sorted(out_dir.glob(TRAJECTORIES_NAME.replace(".jsonl", ".p*.jsonl")))]
+    return [p for p in paths if p.exists()]
 
 
 def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
     """Recounts a finished (or interrupted: missing episodes count) run from its files."""
     out_dir = pathlib.Path(out_dir)
     schedule = json.loads((out_dir / SCHEDULE_NAME).read_text())
-    records = resume_jsonl(out_dir / TRAJECTORIES_NAME)
+    records: list[Trajectory] = [t for path in trajectory_files(out_dir) for t in resume_jsonl(path)]
     return summarize(records, schedule["thresholds"], schedule["samples_per_task"], schedule["task_ids"])
 
 
@@ -91,8 +110,10 @@ def run(config: ml_collections.ConfigDict) -> EvalSummary:
         summary = evaluate(
             run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
-            batch_episodes=config.batch_episodes,
+            batch_episodes=config.batch_episodes, shares=run_job.shares,
         )
+    if not is_writer():
+        return summary
     logging.info("evaluation report in %s", out_dir)
     print(markdown_table(summary))
     o = summary.overall

@@ -3,7 +3,11 @@
 It calls `jax.distributed.initialize()` only when the job really runs as several processes (an
 explicit coordinator address, a SLURM step with several tasks, Open MPI with several ranks, or a
 multi-host TPU pod) and does nothing on one host, so the same entry point runs on a laptop, a
-SLURM GPU cluster and a TPU pod.
+SLURM GPU cluster and a TPU pod. On CPU, cross-process collectives go through gloo (JAX's default
+for `jax_cpu_collectives_implementation`; env JAX_CPU_COLLECTIVES_IMPLEMENTATION overrides it).
+
+The rest are the few cross-process operations a job needs: its share of a list, host objects
+gathered from every process, and global arrays built from per-process rows.
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ import os
 import urllib.request
 from collections.abc import Mapping
 
-from absl import logging
+import functools
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 _TPU_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
 
@@ -80,3 +92,90 @@ def initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
         process_id=None if process_id is None else int(process_id),
     )
     return True
+
+
+def share_bounds(num_items: int, processes: int, index: int, what: str, even: bool = True) -> tuple[int, int]:
+    """[start, end) of process `index`'s share: the `index`-th of `processes` consecutive
+    slices, so the shares in process order are the items in order (global row order equals
+    one-process row order). With `even`, a count that does not divide is an error (global
+    arrays need equal shares)."""
+    if even and num_items % processes:
+        raise ValueError(f"{what}: {num_items} do not split evenly over {processes} processes; use a multiple of {processes}")
+    bounds = np.linspace(0, num_items, processes + 1).round().astype(int)  # [processes + 1]
+    return int(bounds[index]), int(bounds[index + 1])
+
+
+def process_share(items: Sequence[Any], what: str, even: bool = True) -> tuple[list[Any], int]:
+    """This process's contiguous share of `items` (`share_bounds`) and the index of its first item."""
+    start, end = share_bounds(len(items), jax.process_count(), jax.process_index(), what, even)
+    return list(items[start:end]), start
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """`obj` (JSON-serialisable) of every process, in process order; every process must call it."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))  # [processes, 1]
+    padded = np.zeros((int(sizes.max()),), np.uint8)
+    padded[: data.size] = data
+    everything = multihost_utils.process_allgather(padded)  # [processes, max_size]
+    return [json.loads(bytes(row[: int(size)]).decode()) for row, size in zip(everything, sizes[:, 0])]
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Process 0's `obj` (JSON-serialisable) on every process."""
+    return gather_objects(obj if jax.process_index() == 0 else None)[0]
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reached the barrier `name` (no-op on one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def is_writer() -> bool:
+    """Whether this process writes the job's shared outputs (metrics, reports): process 0."""
+    return jax.process_index() == 0
+
+
+def rows_from_processes(tree: Any, sharding: NamedSharding) -> Any:
+    """Global arrays whose leading (row) dim is every process's local rows in process order.
+
+    Each leaf is this process's `[local_rows, ...]` host data; all processes give the same
+    local row count (`jax.make_array_from_process_local_data`).
+    """
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+
+def rows_from_host(tree: Any, sharding: NamedSharding) -> Any:
+    """Global arrays from host data that every process holds in full (each places its own shards)."""
+    def place(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, tree)
+
+
+@functools.cache
+def _replicate(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
+    """A jitted copy to fully replicated over `mesh` (one per mesh, so it compiles once per tree)."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def to_local(tree: Any, mesh: jax.sharding.Mesh, local_mesh: jax.sharding.Mesh) -> Any:
+    """A copy of global arrays on `local_mesh` (this process's devices), replicated there.
+
+    One collective (an all-gather to replicated over `mesh`) that every process calls; on one
+    process the arrays come back unchanged. What a process-local sampler reads.
+    """
+    if jax.process_count() == 1:
+        return tree
+    replicated = _replicate(mesh)(tree)
+    local = NamedSharding(local_mesh, jax.sharding.PartitionSpec())
+
+    def localize(x: jax.Array) -> jax.Array:
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(x.shape, local, [by_device[d] for d in local_mesh.devices.flat])
+
+    return jax.tree.map(localize, replicated)

@@ -79,6 +79,17 @@ def write_jsonl(path: str, trajectories: Iterable[Trajectory], append: bool = Tr
         os.fsync(f.fileno())
 
 
+def truncate_jsonl(path: str, before_version: int) -> None:
+    """Rewrites `path` keeping only the records with `policy_version < before_version` (what a
+    run resumed at step `before_version` keeps; it replays the later steps). Atomic."""
+    if not os.path.exists(path):
+        return
+    kept = [t for t in read_jsonl(path) if t.policy_version < before_version]
+    tmp = path + ".tmp"
+    write_jsonl(tmp, kept, append=False)
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: str) -> Iterator[Trajectory]:
     """Reads records written by `write_jsonl`; a torn last line (killed writer) is skipped."""
     with open(path, encoding="utf-8") as f:

@@ -19,7 +19,8 @@ An iteration is complete when its checkpoint exists (orbax renames a finished sa
 and the checkpoint is written last); a killed run restarted with the same command continues
 with the first incomplete iteration, from the last complete one's parameters. What iteration i
 does is a function of (seed, i) and the previous parameters: exploration key `fold_in(seed, i)`,
-SFT shuffling seed `seed + i`.
+SFT shuffling seed `seed + i`. With several processes, each explores its share of the tasks and
+every process trains on the gathered episodes (process 0 writes the files).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from absl import logging
 from jax.sharding import Mesh
 
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.parallel.distributed import initialize_distributed
-from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.job import setup
+from agentgym_jax.parallel.distributed import is_writer, process_share, to_local
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
-from agentgym_jax.train import build
-from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, task_batch
+from agentgym_jax.train.jobs import (
+    episode_texts, evaluate, optim_config, play_oracle, task_batch, update_config,
+)
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
@@ -67,41 +68,44 @@ def merge_dedup(base: Sequence[Trajectory], explored: Sequence[Trajectory]) -> l
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
-    initialize_distributed()
     evol = config.agentevol
     if evol.iterations < 0 or evol.samples_per_task < 1 or evol.epochs < 0:
         raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
                          f"samples_per_task ({evol.samples_per_task}) >= 1")
-    workdir = pathlib.Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    demos_path = workdir / "demonstrations.jsonl"
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(build.environment_urls(config.env))  # before JAX starts threads
-        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-        ckpt = Checkpointer(str(workdir / "checkpoints"), every=1, keep=evol.iterations + 1)
+        job = stack.enter_context(setup.open_job(config))
+        workdir, mesh, info = job.workdir, job.mesh, job.info
+        demos_path = workdir / "demonstrations.jsonl"
+        ckpt = setup.checkpointer(config, workdir, every=1, keep=evol.iterations + 1)
         stack.callback(ckpt.close)
-        info = build.fetch_task_info(config.env, urls)
-        episodes = [] if demos_path.exists() else play_oracle(config, urls, info)
-        framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
-        if not demos_path.exists():
-            demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
-            write_jsonl(str(demos_path), [d for d in demos if d.success], append=False)
-        demos = list(read_jsonl(str(demos_path)))
-        model = build.model_config(config, len(framing.tokenizer))
-        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
-        update_config = build.update_config(config, model)
+        have_demos = demos_path.exists()
+        episodes = [] if have_demos else play_oracle(config, job.urls, info)
+        framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
+        if have_demos:
+            demos = list(read_jsonl(str(demos_path)))
+        else:  # every process's share, gathered: the same base set on every process
+            _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
+            played = [demonstration_trajectory(framing, info, ep, group_id=first + i) for i, ep in enumerate(episodes)]
+            demos = [d for d in setup.gather_trajectories(played) if d.success]
+            if is_writer():
+                write_jsonl(str(demos_path), demos, append=False)
+        model = setup.model_config(config, len(framing.tokenizer))
+        setup.write_model_config(workdir, model)
+        updates = update_config(config, model)
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
-        base_params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        phases = TrainingPhases(config, update_config, mesh)
+        explore_share, explore_first = process_share(explore_ids, "agentevol.explore_tasks", even=False)
+        base_params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        phases = TrainingPhases(config, updates, mesh)
         state, _ = phases.fresh_state(base_params, rows=len(demos), epochs=config.sft.epochs)
-        eval_engine = stack.enter_context(build.make_engine(
-            config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+        eval_engine = stack.enter_context(setup.make_engine(
+            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
-        explore_engine = stack.enter_context(build.make_engine(
-            config, model, framing, urls, info,
-            build.rollout_config(config, temperature=evol.temperature, group_size=evol.samples_per_task),
+        explore_engine = stack.enter_context(setup.make_engine(
+            config, model, framing, job.urls, info,
+            setup.rollout_config(config, temperature=evol.temperature, group_size=evol.samples_per_task),
         ))
+        sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
 
         start = 0 if ckpt.latest_step is None else ckpt.latest_step + 1
         if start:
@@ -109,35 +113,43 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             logging.info("resuming AgentEvol at iteration %d", start)
         for it in range(start, evol.iterations + 1):
             it_dir = workdir / f"iter_{it}"
-            explored = []
+            explored = trajectories = []
             if it:
-                trajectories = explore_engine.run(
-                    state.params, explore_ids, evol.horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), it),
-                    policy_version=it - 1,
-                )
-                write_jsonl(str(it_dir / "explored.jsonl"), trajectories, append=False)
+                local_params = sampler_params(state.params)
+                mine = explore_engine.run(
+                    local_params, explore_share, evol.horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), it),
+                    policy_version=it - 1, group_offset=explore_first,
+                ) if explore_share else []
+                trajectories = setup.gather_trajectories(mine)
+                if is_writer():
+                    write_jsonl(str(it_dir / "explored.jsonl"), trajectories, append=False)
                 explored = keep_successes(trajectories, info.success_threshold)
             data = merge_dedup(demos, explored)
-            write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
+            if is_writer():
+                write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
             init = base_params if evol.from_base or it == 0 else state.params
             init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
             epochs = config.sft.epochs if it == 0 else evol.epochs or config.sft.epochs
             state, step_fns = phases.fresh_state(init, rows=len(data), epochs=epochs)
             state, history = sft_train(
-                state, data, update_config, batch_size=config.sft.batch_size,
-                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
+                state, data, updates, batch_size=config.sft.batch_size,
+                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns, progress=is_writer(),
             )
-            result = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+            result = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
             record = {
-                "iteration": it, "explored_episodes": len(trajectories) if it else 0, "kept": len(explored),
+                "iteration": it, "explored_episodes": len(trajectories), "kept": len(explored),
                 "train_trajectories": len(data), "sft_final_nll": history[-1]["nll"], "eval": result,
             }
-            (it_dir / "eval.json").write_text(json.dumps(record, indent=2))
+            if is_writer():
+                (it_dir / "eval.json").write_text(json.dumps(record, indent=2))
             ckpt.save(it, (state, {}), {"iteration": it}, force=True)  # completes the iteration
-            _write_progress(workdir, it, info, test_ids)
-            print(f"agentevol: iteration={it} train_trajectories={len(data)} "
-                  f"heldout_success={result['success_rate']:.3f}", flush=True)
-    return {it: json.loads((workdir / f"iter_{it}" / "eval.json").read_text())["eval"] for it in range(evol.iterations + 1)}
+            if is_writer():
+                _write_progress(workdir, it, info, test_ids)
+                print(f"agentevol: iteration={it} train_trajectories={len(data)} "
+                      f"heldout_success={result['success_rate']:.3f}", flush=True)
+    # every iteration's held-out metrics, from the eval.json files (process 0's; others see them on a shared disk)
+    return {it: json.loads(path.read_text())["eval"] for it in range(evol.iterations + 1)
+            if (path := workdir / f"iter_{it}" / "eval.json").exists()}
 
 
 class TrainingPhases:

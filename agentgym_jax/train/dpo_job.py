@@ -9,7 +9,8 @@ one optimizer step on the loss of `rl/dpo.py`: -log sigmoid(beta * (sum of polic
 log-ratios of the chosen - of the rejected)). Batches are consecutive slices of per-epoch seeded
 permutations of the pairs (`jobs.task_batch`), all padded to one shape; checkpoints are
 `(TrainState, reference params)` like the RL job's, so a killed run resumes exactly and
-`mode=eval` reads them.
+`mode=eval` reads them. With several processes, every one reads the pairs and places its own
+rows of every global batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 from collections.abc import Callable
@@ -33,19 +33,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.config import ConfigError
-from agentgym_jax.eval.job import checkpoint_params
+from agentgym_jax.job import setup
 from agentgym_jax.models.config import load_config
 from agentgym_jax.models.tokenizer import load_tokenizer
-from agentgym_jax.parallel.distributed import initialize_distributed
-from agentgym_jax.parallel.mesh import BATCH_AXES, make_mesh
+from agentgym_jax.parallel.distributed import barrier, is_writer, rows_from_host
+from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rl.dpo import dpo_loss
 from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.trajectory import read_jsonl
-from agentgym_jax.train import build
-from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
-from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch
+from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch, update_config
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_shardings
@@ -122,39 +120,37 @@ def make_dpo_step_fns(config: UpdateConfig, beta: float, mesh: Mesh | None = Non
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
-    initialize_distributed()
-    workdir = pathlib.Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     paths = [p.strip() for p in config.data.trajectories.split(",") if p.strip()]
     if not paths:
         raise ConfigError("mode=dpo needs data.trajectories (trajectory JSONL files with successes and failures)")
     pairs = build_pairs(t for path in paths for t in read_jsonl(path))
     if not pairs:
         raise ConfigError(f"no preference pairs in {paths}: no task has both a success and a failure")
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     with contextlib.ExitStack() as stack:
+        job = stack.enter_context(setup.open_job(config, servers=False))
+        workdir, mesh = job.workdir, job.mesh
         init = pathlib.Path(config.init) if config.init else None
-        tokenizer = load_tokenizer(build.tokenizer_dir(config, init or workdir))  # copied for mode=eval
-        model = load_config(init) if init else build.model_config(config, len(tokenizer))
+        tokenizer = load_tokenizer(setup.tokenizer_dir(config, init or workdir))  # copied for mode=eval
+        model = load_config(init) if init else setup.model_config(config, len(tokenizer))
         check_token_ids((t for pair in pairs for t in pair), model.vocab_size)
-        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
+        setup.write_model_config(workdir, model)
         dtype = jnp.dtype(config.model.param_dtype)
         if init:
-            params = checkpoint_params(init / "checkpoints", config.init_step, model, mesh, dtype)
+            params = setup.checkpoint_params(init / "checkpoints", config.init_step, model, mesh, dtype)
         elif config.model.hf_dir:
-            params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+            params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
         else:
             raise ConfigError("mode=dpo starts from a trained policy: set init=<job folder> or model.hf_dir")
-        if not (workdir / "tokenizer").exists():  # mode=eval reads <workdir>/tokenizer
+        if is_writer() and not (workdir / "tokenizer").exists():  # mode=eval reads <workdir>/tokenizer
             tokenizer.save_pretrained(str(workdir / "tokenizer"))
-        update_config = build.update_config(config, model)
+        barrier("dpo-tokenizer")
         tx = make_optimizer(optim_config(config.optim, config.train.steps))
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
         ref_params = jax.tree.map(lambda x: x.copy(), state.params)
-        fns = make_dpo_step_fns(update_config, config.dpo.beta, mesh, shardings)
-        ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+        fns = make_dpo_step_fns(update_config(config, model), config.dpo.beta, mesh, shardings)
+        ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0
         if start:
@@ -164,11 +160,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         seq_len = bucket(max(len(t.token_ids) for pair in pairs for t in pair))  # one shape: one compilation
         shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
         rows = -(-config.train.batch_size // shards) * shards  # empty rows, so rows divide over the mesh
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start)
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer())
         metrics: dict[str, float] = {}
         for step in range(start, config.train.steps):
             picked = [pairs[i] for i in task_batch(range(len(pairs)), step, config.train.batch_size, config.seed)]
-            chosen, rejected = pair_batches(picked, seq_len, rows)
+            chosen, rejected = rows_from_host(pair_batches(picked, seq_len, rows), batch_sharding(mesh))
             ref_chosen, ref_rejected = fns.reference(ref_params, chosen, rejected)
             state, step_metrics = fns.update(state, DPOBatch(chosen, rejected, ref_chosen, ref_rejected))
             metrics = logger.log(step + 1, jax.device_get(step_metrics))
@@ -176,4 +172,3 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                       force=step + 1 == config.train.steps)
         logger.close()
     return metrics
-

@@ -1,5 +1,6 @@
 """Helpers shared by the training jobs (RL, SFT, DPO, AgentEvol): task order, oracle data,
-greedy evaluation and its metrics, optimizer settings."""
+greedy evaluation and its metrics, optimizer settings. With several processes, each plays its
+share of the tasks and the metrics count every process's episodes."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
+from agentgym_jax.job import setup
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.parallel.distributed import gather_objects, process_share
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import build
+from agentgym_jax.train.steps import UpdateConfig
 
 
 def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
@@ -39,42 +43,58 @@ def check_token_ids(trajectories: Iterable[Trajectory], vocab_size: int) -> None
                           "trajectory files must come from the configured tokenizer")
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Success, reward, turns, invalid actions and status counts of a batch of episodes."""
-    n = max(len(trajectories), 1)
+def _episode_summary(t: Trajectory) -> list:
+    """What `rollout_metrics` reads of an episode (small enough to gather from every process)."""
+    return [t.success, t.reward, t.num_turns, t.invalid_actions, sum(t.loss_mask), t.status.value]
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], all_processes: bool = False) -> dict[str, float]:
+    """Success, reward, turns, invalid actions and status counts of a batch of episodes
+    (`all_processes`: of every process's episodes; every process must call it)."""
+    rows = [_episode_summary(t) for t in trajectories]
+    if all_processes:
+        rows = [row for share in gather_objects(rows) for row in share]
+    n = max(len(rows), 1)
+    success, reward, turns, invalid, response, status = (list(col) for col in zip(*rows)) if rows else ([],) * 6
     metrics = {
-        "success_rate": sum(t.success for t in trajectories) / n,
-        "mean_reward": sum(t.reward for t in trajectories) / n,
-        "turns": sum(t.num_turns for t in trajectories) / n,
-        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(sum(t.num_turns for t in trajectories), 1),
-        "response_tokens": sum(sum(t.loss_mask) for t in trajectories) / n,
+        "success_rate": sum(success) / n,
+        "mean_reward": sum(reward) / n,
+        "turns": sum(turns) / n,
+        "invalid_action_rate": sum(invalid) / max(sum(turns), 1),
+        "response_tokens": sum(response) / n,
     }
-    metrics.update({f"status/{s.value}": sum(t.status == s for t in trajectories) for s in EpisodeStatus})
+    metrics.update({f"status/{s.value}": status.count(s.value) for s in EpisodeStatus})
     return metrics
 
 
 def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict[str, float]:
-    """Greedy (or configured) episodes on `task_ids`; success counts every scheduled episode."""
-    trajectories = engine.run(params, task_ids, horizon, jax.random.PRNGKey(seed), policy_version=-1)
-    return rollout_metrics(trajectories)
+    """Greedy (or configured) episodes on `task_ids`, each process its share (`params` on its
+    sampler's devices); success counts every scheduled episode of every process."""
+    share, _ = process_share(task_ids, "eval tasks", even=False)
+    trajectories = engine.run(params, share, horizon, jax.random.PRNGKey(seed), policy_version=-1) if share else []
+    return rollout_metrics(trajectories, all_processes=True)
 
 
 def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:
-    """Oracle episodes of `sft.num_tasks` training tasks (SFT data and tokenizer text)."""
-    task_ids = task_batch(info.splits["train"], 0, config.sft.num_tasks, config.seed + 1)
+    """This process's share of the oracle episodes of `sft.num_tasks` training tasks (SFT data
+    and tokenizer text)."""
+    task_ids, _ = process_share(task_batch(info.splits["train"], 0, config.sft.num_tasks, config.seed + 1),
+                                "sft.num_tasks", even=False)
+    if not task_ids:
+        return []
 
     async def play() -> list[Episode]:
-        async with build.make_pool(config.env, urls) as pool:
+        async with setup.make_pool(config.env, urls) as pool:
             return await play_oracle_episodes(pool, task_ids, action_format=config.rollout.action_format)
 
     return run_sync(play())
 
 
 def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
-    """The instruction and every observation and action: what a job-built tokenizer learns from."""
-    return [info.instruction] + [
-        text for ep in episodes for text in (ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation)))
-    ]
+    """The instruction and every observation and action of every process's `episodes`: what a
+    job-built tokenizer learns from (the same text on every process)."""
+    local = [text for ep in episodes for text in (ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation)))]
+    return [info.instruction] + [text for share in gather_objects(local) for text in share]
 
 
 def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float | None = None) -> ml_collections.ConfigDict:
@@ -84,3 +104,26 @@ def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float
     if lr is not None:
         out.lr = lr
     return out
+
+
+def update_config(config: ml_collections.ConfigDict, model: ModelConfig) -> UpdateConfig:
+    """The jitted update's settings, from `config.algo` and `config.model`."""
+    a = config.algo
+    hparams = tuple(sorted(dict(a.get("advantage_hparams", {})).items()))
+    return UpdateConfig(
+        model=model,
+        advantage=a.advantage,
+        advantage_hparams=hparams,
+        ppo_epochs=a.ppo_epochs,
+        num_minibatches=a.num_minibatches,
+        num_microbatches=a.num_microbatches,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        kl_in_reward=a.kl_in_reward,
+        entropy_coef=a.entropy_coef,
+        agg_mode=a.agg_mode,
+        compute_dtype=config.model.compute_dtype,
+        remat=config.model.remat,
+    )

@@ -1,7 +1,10 @@
 """Per-step metrics to three places: a console progress bar, a JSONL file and TensorBoard events.
 
 The JSONL file is the record of truth (append-only, one line per step, fsynced), so a killed run
-keeps every metric it logged; TensorBoard is for looking at curves.
+keeps every metric it logged; TensorBoard is for looking at curves. A resumed run
+(`start_step` > 0) first cuts both back to `start_step`: the steps logged after the restored
+checkpoint are replayed, and must not appear twice (metrics.jsonl is rewritten without them,
+TensorBoard's new events file purges them with `purge_step`).
 """
 
 from __future__ import annotations
@@ -31,19 +34,27 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """`log(step, metrics)` once per step; `close()` at the end."""
+    """`log(step, metrics)` once per step; `close()` at the end. With `write=False` (every
+    process but the first of a multi-process job) it only returns the scalars."""
 
-    def __init__(self, logdir: str, total_steps: int, start_step: int = 0, console: bool = True):
-        os.makedirs(logdir, exist_ok=True)
+    def __init__(self, logdir: str, total_steps: int, start_step: int = 0, console: bool = True, write: bool = True):
         self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+        self._write = write
+        if not write:
+            return
+        os.makedirs(logdir, exist_ok=True)
+        if start_step > 0:
+            truncate_metrics(self.jsonl_path, start_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(os.path.join(logdir, "tensorboard"))
+        self._tb = SummaryWriter(os.path.join(logdir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
         self._bar = tqdm.tqdm(
             total=total_steps, initial=start_step, desc="train", disable=not console, dynamic_ncols=True
         )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         scalars = to_scalars(metrics)
+        if not self._write:
+            return scalars
         self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self._jsonl.flush()
         os.fsync(self._jsonl.fileno())
@@ -56,9 +67,25 @@ class MetricsLogger:
         return scalars
 
     def close(self) -> None:
+        if not self._write:
+            return
         self._bar.close()
         self._tb.close()
         self._jsonl.close()
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Rewrites `path` keeping only the records of steps <= `last_step` (atomically: a kill
+    leaves the old file or the new one)."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:

@@ -3,9 +3,14 @@ evaluation again, and a before/after report. Read it top to bottom; it is the wh
 
 Resume is exact: a killed run restarted with the same command restores the train state (params,
 optimizer, RNG, skipped-update count), the frozen reference and the loop position from the last
-checkpoint. What each RL step does is a pure function of its index: the tasks (a seeded
-permutation of the training split), the horizon (`rl/horizon.py`) and the sampling key
-(`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run would take.
+checkpoint, and cuts metrics.jsonl, TensorBoard and the trajectory files back to that step
+(the later steps are replayed). What each RL step does is a pure function of its index: the
+tasks (a seeded permutation of the training split), the horizon (`rl/horizon.py`) and the
+sampling key (`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run
+would take.
+
+Several processes (`job/setup.py`): each plays its share of the step's tasks on its own servers
+and devices, and the update runs on the global batch of every process's episodes.
 """
 
 from __future__ import annotations
@@ -17,18 +22,16 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 from absl import logging
 
-from agentgym_jax.parallel.distributed import initialize_distributed
-from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.job import setup
+from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share, to_local
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
-from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
-from agentgym_jax.rollout.trajectory import write_jsonl
-from agentgym_jax.train import build
-from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch
+from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
+from agentgym_jax.train.jobs import (
+    episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch, update_config,
+)
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
@@ -37,78 +40,81 @@ from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
-    initialize_distributed()
-    workdir = pathlib.Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     schedule = horizon_schedule(config.horizon)
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(build.environment_urls(config.env))  # before JAX starts threads
-        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-        ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+        job = stack.enter_context(setup.open_job(config))
+        workdir, mesh, info = job.workdir, job.mesh, job.info
+        ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
-        info = build.fetch_task_info(config.env, urls)
         resuming = ckpt.latest_step is not None
-        episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, urls, info)
-        framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
-        model = build.model_config(config, len(framing.tokenizer))
-        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
-        update_config = build.update_config(config, model)
+        episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, job.urls, info)
+        framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
+        model = setup.model_config(config, len(framing.tokenizer))
+        setup.write_model_config(workdir, model)
+        updates = update_config(config, model)
         rng = jax.random.PRNGKey(config.seed)
-        params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
+        params = setup.initial_params(config, model, mesh, rng, value_head=updates.uses_critic)
         state = TrainState.create(params, make_optimizer(optim_config(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
-        step_fns = make_step_fns(update_config, mesh, state_shardings)
+        step_fns = make_step_fns(updates, mesh, state_shardings)
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
-        eval_engine = stack.enter_context(build.make_engine(
-            config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+        eval_engine = stack.enter_context(setup.make_engine(
+            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
-        train_engine = stack.enter_context(build.make_engine(config, model, framing, urls, info, build.rollout_config(config)))
+        train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, setup.rollout_config(config)))
+        sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
 
         if resuming:
             (state, ref_params), meta = ckpt.restore((state, params))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
-            if episodes:  # SFT warm start on the successful oracle demonstrations
-                demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
-                write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
+            if config.sft.num_tasks:  # SFT warm start on the successful oracle demonstrations
+                _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
+                demos = setup.gather_trajectories([demonstration_trajectory(framing, info, ep, group_id=first + i)
+                                             for i, ep in enumerate(episodes)])
+                if is_writer():
+                    write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
                 sft_tx = make_optimizer(optim_config(config.optim, config.train.steps, lr=config.sft.lr))
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
                 sft_state, history = sft_train(
-                    sft_state, [d for d in demos if d.success], update_config,
+                    sft_state, [d for d in demos if d.success], updates,
                     batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
+                    progress=is_writer(),
                 )
-                state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
+                fresh_opt = jax.jit(state.tx.init, out_shardings=state_shardings.opt_state)  # placed like the state
+                state = state.replace(params=sft_state.params, opt_state=fresh_opt(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)
-            meta["eval_before"] = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+            meta["eval_before"] = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
             ckpt.save(0, (state, ref_params), meta, force=True)
 
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"])
+        trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
+        truncate_jsonl(trajectories_path, before_version=meta["rl_step"])  # the steps after it are replayed
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer())
         for step in range(meta["rl_step"], config.train.steps):
             horizon = schedule.horizon(step)
-            tasks = task_batch(info.splits["train"], step, config.rollout.batch_tasks, config.seed)
+            tasks, first = process_share(task_batch(info.splits["train"], step, config.rollout.batch_tasks, config.seed),
+                                         "rollout.batch_tasks")
             t0 = time.time()
             trajectories = train_engine.run(
-                state.params, tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
-                policy_version=step, group_offset=0,
+                sampler_params(state.params), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
+                policy_version=step, group_offset=first,
             )
             rollout_s = time.time() - t0
-            write_jsonl(str(workdir / "trajectories.jsonl"), trajectories)
-            batch = make_token_batch(
-                trajectories, seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64),
-                batch_size=step_fns.padded_rows(len(trajectories)),  # empty rows, so rows divide over the mesh
-            )
+            write_jsonl(trajectories_path, trajectories)
+            batch = setup.global_token_batch(trajectories, step_fns.padded_rows, mesh)  # empty rows: rows divide over the mesh
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch)
             state, update_metrics = step_fns.rl_update(state, rl_batch)
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
+            tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             metrics = {
-                **rollout_metrics(trajectories), **jax.device_get(prep_metrics), **update_metrics,
+                **rollout_metrics(trajectories, all_processes=True), **jax.device_get(prep_metrics), **update_metrics,
                 "horizon": horizon, "stage": schedule.stage(step), "rollout_s": rollout_s, "update_s": update_s,
-                "tokens_per_s": float(np.sum(np.asarray(batch.positions) >= 0)) / max(rollout_s + update_s, 1e-9),
+                "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
                 "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
             }
             logger.log(step + 1, metrics)
@@ -117,7 +123,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             ckpt.save(step + 1, (state, ref_params), meta, force=step + 1 == config.train.steps)
         logger.close()
 
-        after = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
+        after = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
+    if not is_writer():
+        return {"success_before": meta["eval_before"]["success_rate"], "success_after": after["success_rate"]}
     return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import tqdm
 from jax.sharding import Mesh
 
+from agentgym_jax.parallel.distributed import rows_from_host
+from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.state import TrainState
@@ -34,7 +36,8 @@ def sft_train(
     """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update.
 
     With a `mesh`, the state is placed by `train_state_shardings` and batch rows are split over
-    ("data", "fsdp") (batches padded with empty rows to a multiple of that split). `step_fns`
+    ("data", "fsdp") (batches padded with empty rows to a multiple of that split; with several
+    processes, every process holds all `trajectories` and places its own rows). `step_fns`
     (`make_step_fns` for the same config and mesh) reuses compiled updates across calls; they
     compile once only for states with the same optimizer object (`TrainState.tx` is static).
     """
@@ -55,6 +58,8 @@ def sft_train(
             for start in range(0, len(order), batch_size):
                 rows = [trajectories[i] for i in order[start : start + batch_size]]
                 batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch)  # pads with id 0, inside any vocabulary
+                if mesh is not None:
+                    batch = rows_from_host(batch, batch_sharding(mesh))
                 state, metrics = step_fns.sft_update(state, batch)
                 history.append({k: float(v) for k, v in metrics.items()})
                 bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")

@@ -15,7 +15,9 @@ resumed run takes exactly the batches of an uninterrupted one.
 Checkpoints (`checkpoints/<step>`, `(TrainState, {})`, loadable by `mode=eval` with
 `policy=checkpoint:<workdir>`), metrics (`metrics.jsonl`, TensorBoard; `rows/<env>` counts the
 rows of each environment in the step's batch), resume, and an optional greedy evaluation on
-`eval.num_tasks` held-out tasks of `env.name` at the end.
+`eval.num_tasks` held-out tasks of `env.name` at the end. With several processes, every one reads
+the data and builds the same schedule; each places its own rows of every global batch, and the
+evaluation splits its tasks over them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import pathlib
 from collections.abc import Mapping
 
 import jax
@@ -32,13 +33,13 @@ import numpy as np
 from absl import logging
 
 from agentgym_jax.config import ConfigError
-from agentgym_jax.parallel.distributed import initialize_distributed
-from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.job import setup
+from agentgym_jax.parallel.distributed import is_writer, rows_from_host, to_local
+from agentgym_jax.parallel.partition import batch_sharding
+from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
-from agentgym_jax.train import agentgym_format, build
-from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.jobs import check_token_ids, evaluate, optim_config
+from agentgym_jax.train.jobs import check_token_ids, evaluate, optim_config, update_config
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
@@ -104,28 +105,24 @@ def load_rows(config: ml_collections.ConfigDict, framing) -> dict[str, list[Traj
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
-    initialize_distributed()
-    workdir = pathlib.Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(build.environment_urls(config.env)) if config.eval.num_tasks else []
-        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-        framing = build.tokenizer_and_framing(config, workdir, _conversation_texts(config))
+        job = stack.enter_context(setup.open_job(config, servers=bool(config.eval.num_tasks)))
+        workdir, mesh = job.workdir, job.mesh
+        framing = setup.tokenizer_and_framing(config, workdir, _conversation_texts(config))
         rows = load_rows(config, framing)
-        model = build.model_config(config, len(framing.tokenizer))
+        model = setup.model_config(config, len(framing.tokenizer))
         check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
-        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
+        setup.write_model_config(workdir, model)
         weights = parse_weights(config.data.weights) or {e: float(len(r)) for e, r in rows.items()}
         schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
                                     config.train.steps, config.seed)
-        update_config = build.update_config(config, model)
-        params = build.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
         tx = make_optimizer(optim_config(config.optim, config.train.steps))
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
-        step_fns = make_step_fns(update_config, mesh, shardings)
-        ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
+        step_fns = make_step_fns(update_config(config, model), mesh, shardings)
+        ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0
         if start:
@@ -133,11 +130,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             logging.info("resumed SFT at step %d", start)
 
         seq_len = bucket(max(len(t.token_ids) for r in rows.values() for t in r))  # one shape: one compilation
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start)
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer())
         for step in range(start, config.train.steps):
             picked = schedule[step]
             batch = make_token_batch([rows[e][i] for e, i in picked], seq_len, step_fns.padded_rows(config.train.batch_size))
-            state, metrics = step_fns.sft_update(state, batch)
+            state, metrics = step_fns.sft_update(state, rows_from_host(batch, batch_sharding(mesh)))
             counts = collections.Counter(e for e, _ in picked)
             logger.log(step + 1, {**jax.device_get(metrics), **{f"rows/{e}": counts[e] for e in rows}})
             ckpt.save(step + 1, (state, {}), {"step": step + 1}, force=step + 1 == config.train.steps)
@@ -145,14 +142,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
 
         result = {}
         if config.eval.num_tasks:
-            info = build.fetch_task_info(config.env, urls)
-            engine = stack.enter_context(build.make_engine(
-                config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+            engine = stack.enter_context(setup.make_engine(
+                config, model, framing, job.urls, job.info,
+                setup.rollout_config(config, temperature=config.eval.temperature, group_size=1),
             ))
-            test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
-            result = evaluate(engine, state.params, test_ids, config.eval.horizon, config.seed)
-            (workdir / "eval.json").write_text(json.dumps(result, indent=2))
-            print(f"summary: env={info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
+            test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
+            result = evaluate(engine, to_local(state.params, mesh, job.sampler_mesh), test_ids, config.eval.horizon, config.seed)
+            if is_writer():
+                (workdir / "eval.json").write_text(json.dumps(result, indent=2))
+                print(f"summary: env={job.info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
     return result
 
 

@@ -1,0 +1,282 @@
+"""The parts every job (rl, sft, dpo, agentevol, eval, collect) is made of, built once here.
+
+`open_job` joins the processes, makes the workdir, the mesh, this process's servers and the
+task info; the functions below build the tokenizer and chat framing (a Hugging Face folder, or
+one trained on environment text), the policy (a Hugging Face folder, a checkpoint or a random
+small model) in its shardings, the rollout engines and the update config. A mode's file is then
+its loop.
+
+Multi-host (DESIGN rule 12): every process runs the same code. Each one owns a contiguous share
+of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
+together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
+samples its own episodes with a sampler on its own devices (`sampler_mesh`, params copied
+there by `distributed.to_local`); updates run on the global mesh over global arrays built from
+every process's rows. Process 0 writes metrics, reports and shared files (`distributed.is_writer`);
+trajectories go to one file per process (`process_file`); orbax checkpoints from every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from agentgym_jax.aio import run_sync
+from agentgym_jax.config import ConfigError
+from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.models import decoder, hf_checkpoint
+from agentgym_jax.models.build_tokenizer import build_tokenizer
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.config import ModelConfig, load_config
+from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.job.checkpoint import Checkpointer
+from agentgym_jax.parallel import distributed, partition
+from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.rollout.batch import TokenBatch, bucket, make_token_batch
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
+from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.sampling.sampler import Sampler
+
+
+@dataclasses.dataclass
+class Job:
+    """What `open_job` built: the same on every process except `urls` (this process's servers)."""
+
+    workdir: pathlib.Path
+    mesh: jax.sharding.Mesh  # all devices of all processes: train state, updates
+    sampler_mesh: jax.sharding.Mesh  # this process's devices: its sampler and episodes
+    urls: list[str]
+    info: TaskInfo | None  # None for a job without servers
+
+
+@contextlib.contextmanager
+def open_job(config: ml_collections.ConfigDict, *, servers: bool = True) -> Iterator[Job]:
+    """Joins the processes, makes `config.workdir`, starts or reaches this process's servers
+    (before JAX starts threads) and reads the task info (process 0's, so every process agrees
+    on the task ids even when its own servers fail)."""
+    distributed.initialize_distributed()
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        urls = stack.enter_context(environment_urls(config.env)) if servers else []
+        info = None
+        if servers:
+            body = fetch_task_info(config.env, urls).to_json() if distributed.is_writer() else None
+            info = TaskInfo.from_json(distributed.broadcast_object(body))
+        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        yield Job(workdir, mesh, sampler_mesh(config), urls, info)
+
+
+def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    """Where this process's sampler runs: the job's mesh on one process; on several, a mesh
+    over this process's devices (`fsdp` over all of them)."""
+    if jax.process_count() == 1:
+        return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    return make_mesh(1, -1, 1, devices=jax.local_devices())
+
+
+def checkpointer(config: ml_collections.ConfigDict, workdir: pathlib.Path, every: int | None = None,
+                 keep: int | None = None) -> Checkpointer:
+    """`<workdir>/checkpoints`, saving every `train.checkpoint_every` steps and keeping
+    `train.keep_checkpoints` (unless given)."""
+    return Checkpointer(
+        str(workdir / "checkpoints"), every or config.train.checkpoint_every, keep or config.train.keep_checkpoints
+    )
+
+
+def process_file(directory: pathlib.Path, name: str) -> pathlib.Path:
+    """`<directory>/<name>` on one process; `<stem>.p<k><suffix>` on process k of several, so
+    processes never interleave records in one file."""
+    if jax.process_count() == 1:
+        return directory / name
+    path = pathlib.Path(name)
+    return directory / f"{path.stem}.p{jax.process_index()}{path.suffix}"
+
+
+def write_model_config(workdir: pathlib.Path, model: ModelConfig) -> None:
+    """`<workdir>/config.json`, what `mode=eval` reads with the checkpoints (process 0 writes it)."""
+    if distributed.is_writer():
+        (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))
+
+
+@contextlib.contextmanager
+def environment_urls(env: ml_collections.ConfigDict) -> Iterator[list[str]]:
+    """This process's servers: its share of `env.urls` (process k of n takes every n-th URL
+    from the k-th), or `env.num_servers` local servers of its own for the job's duration
+    (requiring `env.auth_token` when it is set, like servers started elsewhere with it)."""
+    if env.urls:
+        urls = [u.strip() for u in env.urls.split(",") if u.strip()]
+        n = jax.process_count()
+        if len(urls) < n:
+            raise ConfigError(f"env.urls lists {len(urls)} servers for {n} processes; give each process at least one")
+        yield urls[jax.process_index() :: n]
+        return
+    with contextlib.ExitStack() as stack:  # one group per server: a group holds each env once
+        groups = [stack.enter_context(LocalServers([env.name], auth_token=env.auth_token)) for _ in range(env.num_servers)]
+        yield [group.servers[0].url for group in groups]
+
+
+def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
+    """A pool over `urls` that sends `env.auth_token` (servers started with `--auth_token`)."""
+    return EnvPool(
+        urls,
+        max_concurrency=env.max_concurrency,
+        request_timeout_s=env.request_timeout_s,
+        episode_timeout_s=env.episode_timeout_s,
+        auth_token=env.auth_token,
+    )
+
+
+def fetch_task_info(env: ml_collections.ConfigDict, urls: Sequence[str]) -> TaskInfo:
+    async def ask() -> TaskInfo:
+        async with make_pool(env, urls) as pool:
+            return await pool.tasks()
+
+    return run_sync(ask())
+
+
+def tokenizer_dir(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
+    """`tokenizer.dir`, else the model folder's tokenizer, else the one the job trains."""
+    return pathlib.Path(config.tokenizer.dir or config.model.hf_dir or workdir / "tokenizer")
+
+
+def tokenizer_and_framing(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, corpus: Sequence[str] | None
+) -> ChatFraming:
+    """Loads the tokenizer (training it on `corpus` first when the job builds its own).
+
+    With several processes, `corpus` must be the same on all of them (gather it first): process
+    0 builds the tokenizer; the others read its files where the workdir is shared and otherwise
+    build the same one from the same text (the build is deterministic).
+    """
+    path = tokenizer_dir(config, workdir)
+    own = path == workdir / "tokenizer"
+    missing = own and not (path / "tokenizer.json").exists()
+    if missing and corpus is None:
+        raise ValueError("no tokenizer.dir or model.hf_dir given and no text to train a tokenizer on")
+    if missing and distributed.is_writer():
+        build_tokenizer(path, corpus, config.tokenizer.vocab_size, config.tokenizer.template)
+    if own:
+        distributed.barrier("tokenizer")
+    if not (path / "tokenizer.json").exists():  # another host's workdir: build this host's copy
+        build_tokenizer(path, corpus, config.tokenizer.vocab_size, config.tokenizer.template)
+    return ChatFraming(load_tokenizer(path))
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+    """The Hugging Face folder's config, or the small model the config describes."""
+    m = config.model
+    if m.hf_dir:
+        return load_config(m.hf_dir)
+    return ModelConfig.small(
+        m.family,
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+    )
+
+
+def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array, value_head: bool):
+    """Parameters loaded (or initialised) straight into their shardings over `mesh`."""
+    dtype = jnp.dtype(config.model.param_dtype)
+    if config.model.hf_dir:
+        shapes = hf_checkpoint.param_shapes(model, dtype)
+        _, params = hf_checkpoint.load_pretrained(
+            config.model.hf_dir, dtype=dtype, shardings=partition.param_shardings(shapes, mesh), config=model
+        )
+        if value_head:
+            params["value_head"] = decoder.init_value_head(model, rng, param_dtype=dtype)
+        return params
+    init = lambda key: decoder.init_params(model, key, param_dtype=dtype, value_head=value_head)  # noqa: E731
+    return partition.sharded_init(init, rng, mesh)
+
+
+def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, mesh: jax.sharding.Mesh, dtype):
+    """The policy params of a `(TrainState, ...)` checkpoint (step -1: the latest), placed in
+    their shardings over `mesh`; the critic's value head is left out."""
+    ckpt = Checkpointer(str(directory), every=1)
+    try:
+        state, _ = ckpt.restore_raw(None if step < 0 else step)  # (TrainState, ref_params)
+    finally:
+        ckpt.close()
+    policy = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
+    params = jax.tree.map(lambda x: np.asarray(x, dtype), policy)
+    shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
+    return jax.tree.map(distributed.rows_from_host, params, shardings)
+
+
+def rollout_config(
+    config: ml_collections.ConfigDict, temperature: float | None = None, group_size: int | None = None
+) -> RolloutConfig:
+    r = config.rollout
+    return RolloutConfig(
+        group_size=r.group_size if group_size is None else group_size,
+        max_tokens_per_turn=r.max_tokens_per_turn,
+        max_response_length=r.max_response_length,
+        invalid_action_limit=r.invalid_action_limit or None,
+        temperature=r.temperature if temperature is None else temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
+    )
+
+
+def make_engine(
+    config: ml_collections.ConfigDict,
+    model: ModelConfig,
+    framing: ChatFraming,
+    urls: Sequence[str],
+    info: TaskInfo,
+    rollout: RolloutConfig,
+) -> RolloutEngine:
+    """A rollout engine with its own sampler and pool (one per sampling setting)."""
+    return RolloutEngine(make_sampler(config, model, framing, rollout), framing, make_pool(config.env, urls), info, rollout)
+
+
+def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
+    """A sampler that runs on the devices its params are on (give it params on `sampler_mesh`,
+    e.g. `distributed.to_local(params, job.mesh, job.sampler_mesh)`)."""
+    return Sampler.for_decoder(
+        model,
+        rollout.sampling_config(framing),
+        max_cache_len=config.rollout.max_cache_len,
+        dtype=jnp.dtype(config.model.compute_dtype),
+    )
+
+
+def gather_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """Every process's `trajectories`, in process order (the same list on every process)."""
+    return [Trajectory.from_json(r) for share in distributed.gather_objects([t.to_json() for t in trajectories]) for r in share]
+
+
+def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable[[int], int],
+                       mesh: jax.sharding.Mesh, min_len: int = 64) -> TokenBatch:
+    """The update's batch of every process's `trajectories`: `[rows, seq]` with rows in process
+    order and each process's rows padded to its equal share of `padded_rows(all rows)`.
+
+    On one process it is the host batch (the jitted step places it); on several, global arrays
+    (group ids made unique across processes). The sequence bucket is the longest of all.
+    """
+    n = jax.process_count()
+    longest = max(distributed.gather_objects(max(len(t.token_ids) for t in trajectories)))
+    rows = padded_rows(len(trajectories) * n)
+    if rows % n:
+        raise ValueError(f"{rows} padded rows do not split over {n} processes")
+    batch = make_token_batch(trajectories, seq_len=bucket(longest, min_len), batch_size=rows // n)
+    if n == 1:
+        return batch
+    batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * (rows // n))  # dense ids < rows // n
+    return distributed.rows_from_processes(batch, partition.batch_sharding(mesh))
