@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from agentgym_jax.aio import run_sync
+from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
@@ -27,7 +28,10 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.parallel import partition
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.sampling.sampler import Sampler
+from agentgym_jax.train.rl_batch import BatchFilter
 from agentgym_jax.train.steps import UpdateConfig
+
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # estimators whose baseline is the task's group
 
 
 @contextlib.contextmanager
@@ -147,23 +151,72 @@ def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing:
     )
 
 
-def update_config(config: ml_collections.ConfigDict, model: ModelConfig) -> UpdateConfig:
+def rl_temperature(config: ml_collections.ConfigDict) -> float:
+    """The temperature the RL trainer applies to its logits: the rollout's, which must sample the
+    whole distribution (the trainer cannot reproduce top-k / top-p filtering, nor learn from
+    greedy samples)."""
+    r = config.rollout
+    if r.temperature <= 0:
+        raise ConfigError(f"RL needs rollout.temperature > 0 (0 is greedy decoding), got {r.temperature}")
+    if r.top_k != 0 or r.top_p != 1.0:
+        raise ConfigError(
+            f"RL samples must come from the full distribution the trainer computes: rollout.top_k must be 0 "
+            f"and rollout.top_p 1.0 (off), got top_k={r.top_k}, top_p={r.top_p}"
+        )
+    return float(r.temperature)
+
+
+def update_config(config: ml_collections.ConfigDict, model: ModelConfig, temperature: float = 1.0) -> UpdateConfig:
+    """`config.algo` as an `UpdateConfig` (`temperature`: `rl_temperature(config)` for RL).
+
+    Optional thresholds use 0 for "off" in configs (`dual_clip_c`, `loss_norm_length`).
+    """
     a = config.algo
-    hparams = tuple(sorted(dict(a.get("advantage_hparams", {})).items()))
-    return UpdateConfig(
-        model=model,
-        advantage=a.advantage,
-        advantage_hparams=hparams,
-        ppo_epochs=a.ppo_epochs,
-        num_minibatches=a.num_minibatches,
-        num_microbatches=a.num_microbatches,
-        clip_eps_low=a.clip_eps_low,
-        clip_eps_high=a.clip_eps_high,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        kl_in_reward=a.kl_in_reward,
-        entropy_coef=a.entropy_coef,
-        agg_mode=a.agg_mode,
-        compute_dtype=config.model.compute_dtype,
-        remat=config.model.remat,
-    )
+    try:
+        return UpdateConfig(
+            model=model,
+            advantage=a.advantage,
+            advantage_hparams=tuple(sorted(dict(a.get("advantage_hparams", {})).items())),
+            gamma=a.gamma,
+            lam=a.lam,
+            discount=a.discount,
+            ppo_epochs=a.ppo_epochs,
+            num_minibatches=a.num_minibatches,
+            num_microbatches=a.num_microbatches,
+            policy_loss=a.policy_loss,
+            clip_eps_low=a.clip_eps_low,
+            clip_eps_high=a.clip_eps_high,
+            dual_clip_c=a.dual_clip_c or None,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            kl_in_reward=a.kl_in_reward,
+            entropy_coef=a.entropy_coef,
+            vf_coef=a.vf_coef,
+            clip_eps_value=a.clip_eps_value,
+            agg_mode=a.agg_mode,
+            loss_norm_length=a.loss_norm_length or None,
+            temperature=temperature,
+            is_correction=a.is_correction,
+            decoupled_ppo=a.decoupled_ppo,
+            is_cap=a.is_cap,
+            compute_dtype=config.model.compute_dtype,
+            remat=config.model.remat,
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.algo: {e}") from e
+
+
+def batch_filter(config: ml_collections.ConfigDict) -> BatchFilter:
+    """Which rollout episodes train (`train/rl_batch.py`), from `config.algo` and the token budget."""
+    a = config.algo
+    try:
+        return BatchFilter(
+            grouped=a.advantage in GROUP_BASELINES,
+            dynamic_sampling=a.dynamic_sampling,
+            overlong=a.overlong,
+            max_response_length=config.rollout.max_response_length,
+            overlong_buffer=a.overlong_buffer,
+            overlong_penalty=a.overlong_penalty,
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.algo: {e}") from e

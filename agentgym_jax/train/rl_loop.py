@@ -23,14 +23,15 @@ from absl import logging
 from agentgym_jax.parallel.distributed import initialize_distributed
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
-from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.batch import bucket
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import write_jsonl
 from agentgym_jax.train import build
 from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
-from agentgym_jax.train.sft import sft_train
+from agentgym_jax.train.rl_batch import training_batch
+from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
@@ -52,10 +53,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         framing = build.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
         model = build.model_config(config, len(framing.tokenizer))
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
-        update_config = build.update_config(config, model)
+        update_config = build.update_config(config, model, temperature=build.rl_temperature(config))
         rng = jax.random.PRNGKey(config.seed)
         params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
-        state = TrainState.create(params, make_optimizer(optim_config(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
+        rl_updates = config.train.steps * update_config.updates_per_step  # what the lr schedule spans
+        state = TrainState.create(params, make_optimizer(optim_config(config.optim, rl_updates)), jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
         step_fns = make_step_fns(update_config, mesh, state_shardings)
@@ -73,10 +75,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             if episodes:  # SFT warm start on the successful oracle demonstrations
                 demos = [demonstration_trajectory(framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
                 write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
-                sft_tx = make_optimizer(optim_config(config.optim, config.train.steps, lr=config.sft.lr))
+                successes = [d for d in demos if d.success]
+                sft_updates = sft_num_updates(len(successes), config.sft.batch_size, config.sft.epochs)
+                sft_tx = make_optimizer(optim_config(config.optim, sft_updates, lr=config.sft.lr))
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
                 sft_state, history = sft_train(
-                    sft_state, [d for d in demos if d.success], update_config,
+                    sft_state, successes, update_config,
                     batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
                 )
                 state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
@@ -96,8 +100,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             )
             rollout_s = time.time() - t0
             write_jsonl(str(workdir / "trajectories.jsonl"), trajectories)
-            batch = make_token_batch(
-                trajectories, seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64),
+            batch, batch_metrics = training_batch(  # unscored episodes masked, dynamic sampling, overlong
+                trajectories, build.batch_filter(config), seq_len=bucket(max(len(t.token_ids) for t in trajectories), 64),
                 batch_size=step_fns.padded_rows(len(trajectories)),  # empty rows, so rows divide over the mesh
             )
             t1 = time.time()
@@ -106,7 +110,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
             metrics = {
-                **rollout_metrics(trajectories), **jax.device_get(prep_metrics), **update_metrics,
+                **rollout_metrics(trajectories), **batch_metrics, **jax.device_get(prep_metrics), **update_metrics,
                 "horizon": horizon, "stage": schedule.stage(step), "rollout_s": rollout_s, "update_s": update_s,
                 "tokens_per_s": float(np.sum(np.asarray(batch.positions) >= 0)) / max(rollout_s + update_s, 1e-9),
                 "sampler_wait_fraction": train_engine.last_stats.wait_fraction,

@@ -32,28 +32,44 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import forward, value_head
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
-from agentgym_jax.rl.advantages import compute_advantages
-from agentgym_jax.rl.kl import apply_kl_penalty, kl_loss
+from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, DISCOUNTS, compute_advantages, estimator_hparams
+from agentgym_jax.rl.correction import IS_LEVELS, importance_weights
+from agentgym_jax.rl.kl import KL_ESTIMATORS, apply_kl_penalty, kl_loss
 from agentgym_jax.rl.losses import entropy_from_logits, ppo_policy_loss, value_loss
-from agentgym_jax.rl.masked import aggregate_loss, masked_count, masked_mean
+from agentgym_jax.rl.masked import LOSS_AGG_MODES, aggregate_loss, masked_count, masked_mean
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
 
 
+# The policy-gradient surrogates `rl_loss` can use: PPO's per-token ratio, GSPO's per-sequence one.
+POLICY_LOSSES = {"ppo": "token", "gspo": "sequence"}
+# Off-policy corrections of trainer vs sampler log-probs (`rl/correction.py`): none, truncated IS.
+IS_CORRECTIONS = ("none", *IS_LEVELS)
+# Advantage hyper-parameters that are fields of `UpdateConfig` (config keys `algo.<name>`).
+_ADVANTAGE_FIELDS = ("gamma", "lam", "discount")
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps."""
+    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps.
+
+    A bad value raises `ValueError` naming the field, the value and the valid ones.
+    """
 
     model: ModelConfig
     advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
-    advantage_hparams: tuple[tuple[str, float], ...] = ()  # e.g. (("gamma", 1.0), ("lam", 0.95))
+    advantage_hparams: tuple[tuple[str, float], ...] = ()  # others of the estimator, e.g. (("epsilon", 1e-6),)
+    gamma: float = 1.0  # discount of REINFORCE++ and GAE
+    lam: float = 1.0  # GAE's lambda
+    discount: str = "token"  # gamma and lam per policy token or per turn (rl.advantages.DISCOUNTS)
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
+    policy_loss: str = "ppo"  # a key of POLICY_LOSSES
     clip_eps_low: float = 0.2
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = None  # None: clip_eps_low; higher: DAPO's clip-higher
     dual_clip_c: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
@@ -62,10 +78,50 @@ class UpdateConfig:
     vf_coef: float = 0.5
     clip_eps_value: float = 0.5
     agg_mode: str = "token-mean"
+    loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
+    temperature: float = 1.0  # the sampling temperature: RL log-probs are of logits / temperature
+    is_correction: str = "none"  # truncated importance sampling: one of IS_CORRECTIONS
+    decoupled_ppo: bool = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
+    is_cap: float = 2.0  # truncation (TIS) or drop (decoupled PPO) threshold of the weights
     compute_dtype: str | None = None  # None: the parameters' dtype
     remat: bool = False
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
+
+    def __post_init__(self):
+        def one_of(name: str, valid) -> None:
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(map(str, valid))}")
+
+        def at_least(bound: float, strict: bool, **values) -> None:
+            for name, value in values.items():
+                if value is not None and (value < bound or (strict and value == bound)):
+                    raise ValueError(f"{name} must be {'>' if strict else '>='} {bound}, got {value}")
+
+        one_of("advantage", ADVANTAGE_ESTIMATORS)
+        one_of("discount", DISCOUNTS)
+        one_of("policy_loss", POLICY_LOSSES)
+        one_of("kl_estimator", KL_ESTIMATORS)
+        one_of("agg_mode", LOSS_AGG_MODES)
+        one_of("is_correction", IS_CORRECTIONS)
+        at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
+                 num_microbatches=self.num_microbatches)
+        at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                 kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
+        at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length)
+        at_least(1, True, dual_clip_c=self.dual_clip_c)
+        for name, value in (("gamma", self.gamma), ("lam", self.lam)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
+        if self.decoupled_ppo and self.is_correction != "none":
+            raise ValueError(f"decoupled_ppo weights the loss already; is_correction must be 'none', got {self.is_correction!r}")
+        given = dict(self.advantage_hparams)
+        if doubled := sorted(set(given) & set(_ADVANTAGE_FIELDS)):
+            raise ValueError(f"advantage_hparams sets {doubled}: they are UpdateConfig fields (algo.<name>)")
+        if unknown := sorted(set(given) - estimator_hparams(self.advantage)):
+            raise ValueError(f"{self.advantage} takes no {unknown}; valid: {sorted(estimator_hparams(self.advantage))}")
 
     @property
     def uses_critic(self) -> bool:
@@ -74,6 +130,20 @@ class UpdateConfig:
     @property
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of one `rl_update`: what learning-rate schedules count."""
+        return self.ppo_epochs * self.num_minibatches
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        return self.decoupled_ppo or self.is_correction != "none"
+
+    def estimator_kwargs(self) -> dict[str, Any]:
+        """The advantage estimator's hyper-parameters: the fields it takes plus `advantage_hparams`."""
+        takes = estimator_hparams(self.advantage)
+        return {**{k: getattr(self, k) for k in _ADVANTAGE_FIELDS if k in takes}, **dict(self.advantage_hparams)}
 
 
 @flax.struct.dataclass
@@ -86,16 +156,18 @@ class RLBatch:
     old_values: jax.Array  # [batch, seq]; zeros without a critic
     advantages: jax.Array  # [batch, seq]
     returns: jax.Array  # [batch, seq]
+    is_weights: jax.Array  # [batch, seq] off-policy weights of each token's loss; ones when off
 
 
 def token_logprobs(
-    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig
+    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig, temperature: float = 1.0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
 
     Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
-    entry 0 has no prefix and is 0. Materialises [batch, seq, vocab] logits: size micro-batches
-    for it.
+    entry 0 has no prefix and is 0. Log-probs and entropy are of `logits / temperature`, the
+    distribution the sampler drew from at that temperature. Materialises [batch, seq, vocab]
+    logits: size micro-batches for it.
     """
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
@@ -106,7 +178,7 @@ def token_logprobs(
         params, tokens, positions, None, config=config.model, dtype=dtype, remat=config.remat,
         return_hidden=True, activation_sharding=activations,
     )
-    logits = logits[:, :-1]  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
+    logits = logits[:, :-1] / temperature  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = entropy_from_logits(logits)
     if config.uses_critic:
@@ -118,11 +190,16 @@ def token_logprobs(
 
 
 def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[RLBatch, Metrics]:
-    """Scores a rollout batch with the current and the reference policy and computes advantages."""
+    """Scores a rollout batch with the current and the reference policy and computes advantages.
+
+    `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
+    the PPO ratio is taken against the trainer's recomputed log-probs.
+    """
     mask = batch.loss_mask
-    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    temperature = config.temperature
+    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, temperature)
     if config.uses_reference:
-        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config)
+        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config, temperature)
     else:
         ref_logprobs = old_logprobs
     rewards = batch.token_rewards
@@ -136,11 +213,19 @@ def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfi
         loss_mask=mask,
         values=values if config.uses_critic else None,
         group_ids=batch.group_ids,
-        **dict(config.advantage_hparams),
+        **config.estimator_kwargs(),
     )
+    level = "token" if config.decoupled_ppo else config.is_correction
+    is_weights, is_metrics = importance_weights(
+        old_logprobs, batch.old_logprobs, mask, level="token" if level == "none" else level,
+        cap=config.is_cap, mode="drop" if config.decoupled_ppo else "truncate",
+    )
+    if not config.corrects_off_policy:
+        is_weights = jnp.ones_like(is_weights)
     metrics = {
         # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
         "logprob_gap": masked_mean(jnp.abs(batch.old_logprobs - old_logprobs), mask),
+        **is_metrics,
         "entropy_at_rollout": masked_mean(entropy, mask),
         "advantage_mean": masked_mean(advantages, mask),
         "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
@@ -155,30 +240,32 @@ def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfi
         old_values=values,
         advantages=advantages,
         returns=returns,
+        is_weights=is_weights,
     )
     return rl_batch, metrics
 
 
 def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """PPO clipped surrogate + KL to the reference - entropy bonus + clipped value loss."""
-    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    """PPO clipped surrogate (or GSPO's) + KL to the reference - entropy bonus + clipped value loss."""
+    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, config.temperature)
     mask = batch.loss_mask
+    agg = dict(agg_mode=config.agg_mode, norm_length=config.loss_norm_length)
     pg_loss, metrics = ppo_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, mask, agg_mode=config.agg_mode,
+        logprobs, batch.old_logprobs, batch.advantages, mask, **agg,
         clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
-        dual_clip_c=config.dual_clip_c,
+        dual_clip_c=config.dual_clip_c, ratio_level=POLICY_LOSSES[config.policy_loss],
+        token_weights=batch.is_weights if config.corrects_off_policy else None,
     )
-    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode)
+    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode, config.loss_norm_length)
     loss = pg_loss - config.entropy_coef * entropy_loss
     metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss}
     if config.uses_reference and not config.kl_in_reward:
-        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, agg_mode=config.agg_mode)
+        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, **agg)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl
     if config.uses_critic:
         v_loss, v_metrics = value_loss(
-            values, batch.old_values, batch.returns, mask, agg_mode=config.agg_mode,
-            clip_eps_value=config.clip_eps_value,
+            values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=config.clip_eps_value,
         )
         loss = loss + config.vf_coef * v_loss
         metrics = {**metrics, **v_metrics, "value_loss": v_loss}
@@ -186,9 +273,10 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
 
 
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL)."""
+    """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
+    model's own distribution (temperature 1)."""
     logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config)
-    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode)
+    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode, config.loss_norm_length)
     return loss, {"loss": loss, "nll": loss}
 
 
