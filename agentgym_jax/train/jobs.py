@@ -84,3 +84,9 @@ def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float
     if lr is not None:
         out.lr = lr
     return out
+
+
+def rl_optim_config(config: ml_collections.ConfigDict, updates_per_step: int) -> ml_collections.ConfigDict:
+    """The RL phase's optimizer settings: its schedule (warm-up and decay) counts optimizer updates,
+    `updates_per_step` (ppo_epochs x num_minibatches) per RL step, over `train.steps` steps."""
+    return optim_config(config.optim, config.train.steps * updates_per_step)

@@ -28,7 +28,9 @@ from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import write_jsonl
 from agentgym_jax.train import build
 from agentgym_jax.train.checkpoint import Checkpointer
-from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch
+from agentgym_jax.train.jobs import (
+    episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rollout_metrics, task_batch,
+)
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.rl_batch import training_batch
 from agentgym_jax.train.sft import sft_num_updates, sft_train
@@ -56,8 +58,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         update_config = build.update_config(config, model, temperature=build.rl_temperature(config))
         rng = jax.random.PRNGKey(config.seed)
         params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
-        rl_updates = config.train.steps * update_config.updates_per_step  # what the lr schedule spans
-        state = TrainState.create(params, make_optimizer(optim_config(config.optim, rl_updates)), jax.random.PRNGKey(config.seed + 2))
+        rl_tx = make_optimizer(rl_optim_config(config, update_config.updates_per_step))  # schedule in optimizer updates
+        state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
         step_fns = make_step_fns(update_config, mesh, state_shardings)
