@@ -17,15 +17,17 @@ from agentgym_jax.train.steps import UpdateConfig
 
 MODEL = ModelConfig.small()
 # Fields that come from elsewhere: the model and its dtypes (config.model), the temperature
-# (config.rollout, via build.rl_temperature), the mesh, and the token budget (config.rollout).
-NOT_ALGO = {"model", "temperature", "compute_dtype", "remat", "activation_sharding", "advantage_hparams",
+# (config.rollout, via build.rl_temperature), the mesh, the token budget (config.rollout), the
+# critic's architecture (read from algo.critic_dir) and the estimator's extra hyper-parameters
+# (`advantage_hparams`, a Python-config-only dict).
+NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "activation_sharding", "advantage_hparams",
             "grouped", "max_response_length"}
 # A valid value other than the default for every key.
 OVERRIDES = {
     "advantage": "rloo", "gamma": 0.9, "lam": 0.95, "discount": "turn", "ppo_epochs": 3, "num_minibatches": 4,
     "num_microbatches": 2, "policy_loss": "gspo", "clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip_c": 3.0,
     "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01, "vf_coef": 0.25,
-    "clip_eps_value": 0.3, "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
+    "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
     "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True,
     "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5,
 }

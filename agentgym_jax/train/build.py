@@ -29,7 +29,8 @@ from agentgym_jax.parallel import partition
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.sampling.sampler import Sampler
 from agentgym_jax.train.rl_batch import BatchFilter
-from agentgym_jax.train.steps import UpdateConfig
+from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.steps import UpdateConfig, train_state_shardings
 
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # estimators whose baseline is the task's group
 
@@ -193,6 +194,8 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
             entropy_coef=a.entropy_coef,
             vf_coef=a.vf_coef,
             clip_eps_value=a.clip_eps_value,
+            critic=a.critic,
+            critic_model=load_config(a.critic_dir) if a.critic_dir else None,
             agg_mode=a.agg_mode,
             loss_norm_length=a.loss_norm_length or None,
             temperature=temperature,
@@ -204,6 +207,34 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
         )
     except ValueError as e:
         raise ConfigError(f"config.algo: {e}") from e
+
+
+def critic_states(
+    config: ml_collections.ConfigDict, update: UpdateConfig, mesh: jax.sharding.Mesh, policy_params
+) -> list[TrainState]:
+    """`[critic_state]` with a separate critic (`update.separate_critic`), else `[]`.
+
+    PPO's separate critic, placed on `mesh`: the backbone of `algo.critic_dir` (a Hugging Face
+    folder) or a copy of `policy_params`, a new value head, and its own optimizer (`algo.critic_lr`,
+    0: `optim.lr`; its schedule spans the RL phase's optimizer updates, like the policy's).
+    """
+    if not update.separate_critic:
+        return []
+    dtype = jnp.dtype(config.model.param_dtype)
+    model = update.critic_model or update.model
+    if config.algo.critic_dir:
+        shapes = hf_checkpoint.param_shapes(model, dtype)
+        _, backbone = hf_checkpoint.load_pretrained(
+            config.algo.critic_dir, dtype=dtype, shardings=partition.param_shardings(shapes, mesh), config=model
+        )
+    else:
+        backbone = {name: jax.tree.map(jnp.copy, p) for name, p in policy_params.items() if name != "value_head"}
+    head = decoder.init_value_head(model, jax.random.PRNGKey(config.seed + 4), param_dtype=dtype)
+    optim = ml_collections.ConfigDict(config.optim.to_dict())
+    optim.total_updates = config.train.steps * update.updates_per_step
+    optim.lr = config.algo.critic_lr or config.optim.lr
+    state = TrainState.create({**backbone, "value_head": head}, make_optimizer(optim), jax.random.PRNGKey(config.seed + 5))
+    return [jax.device_put(state, train_state_shardings(state, mesh))]
 
 
 def batch_filter(config: ml_collections.ConfigDict) -> BatchFilter:

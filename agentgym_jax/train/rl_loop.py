@@ -57,12 +57,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))  # for mode=eval
         update_config = build.update_config(config, model, temperature=build.rl_temperature(config))
         rng = jax.random.PRNGKey(config.seed)
-        params = build.initial_params(config, model, mesh, rng, value_head=update_config.uses_critic)
+        params = build.initial_params(config, model, mesh, rng, value_head=update_config.shared_value_head)
         rl_tx = make_optimizer(rl_optim_config(config, update_config.updates_per_step))  # schedule in optimizer updates
         state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
-        step_fns = make_step_fns(update_config, mesh, state_shardings)
+        critic = build.critic_states(config, update_config, mesh, params)  # [] or [PPO's separate critic]
+        step_fns = make_step_fns(update_config, mesh, state_shardings, *(train_state_shardings(c, mesh) for c in critic))
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         eval_engine = stack.enter_context(build.make_engine(
             config, model, framing, urls, info, build.rollout_config(config, temperature=config.eval.temperature, group_size=1)
@@ -70,7 +71,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         train_engine = stack.enter_context(build.make_engine(config, model, framing, urls, info, build.rollout_config(config)))
 
         if resuming:
-            (state, ref_params), meta = ckpt.restore((state, params))
+            (state, ref_params, *critic), meta = ckpt.restore((state, params, *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -88,8 +89,10 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+            if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
+                critic = build.critic_states(config, update_config, mesh, state.params)
             meta["eval_before"] = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
-            ckpt.save(0, (state, ref_params), meta, force=True)
+            ckpt.save(0, (state, ref_params, *critic), meta, force=True)
 
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"])
         for step in range(meta["rl_step"], config.train.steps):
@@ -107,8 +110,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 batch_size=step_fns.padded_rows(len(trajectories)),  # empty rows, so rows divide over the mesh
             )
             t1 = time.time()
-            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch)
+            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch, *(c.params for c in critic))
             state, update_metrics = step_fns.rl_update(state, rl_batch)
+            if critic:
+                critic[0], critic_metrics = step_fns.critic_update(critic[0], rl_batch)
+                update_metrics = {**update_metrics, **critic_metrics}
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
             metrics = {
@@ -120,7 +126,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             logger.log(step + 1, metrics)
             meta = {**meta, "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
                     "stage": schedule.stage(step + 1)}
-            ckpt.save(step + 1, (state, ref_params), meta, force=step + 1 == config.train.steps)
+            ckpt.save(step + 1, (state, ref_params, *critic), meta, force=step + 1 == config.train.steps)
         logger.close()
 
         after = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)

@@ -47,6 +47,9 @@ Metrics = dict[str, jax.Array]
 POLICY_LOSSES = {"ppo": "token", "gspo": "sequence"}
 # Off-policy corrections of trainer vs sampler log-probs (`rl/correction.py`): none, truncated IS.
 IS_CORRECTIONS = ("none", *IS_LEVELS)
+# GAE's value model: a head on the policy's trunk (one optimizer), or a separate model with its
+# own parameters and optimizer (a second TrainState; verl's default).
+CRITICS = ("shared", "separate")
 # Advantage hyper-parameters that are fields of `UpdateConfig` (config keys `algo.<name>`).
 _ADVANTAGE_FIELDS = ("gamma", "lam", "discount")
 
@@ -75,8 +78,10 @@ class UpdateConfig:
     kl_estimator: str = "low_var_kl"
     kl_in_reward: bool = False  # False: KL is a loss term (GRPO); True: a reward penalty (PPO)
     entropy_coef: float = 0.0
-    vf_coef: float = 0.5
+    vf_coef: float = 0.5  # weight of the value loss in the shared-trunk loss
     clip_eps_value: float = 0.5
+    critic: str = "shared"  # one of CRITICS (used by gae only)
+    critic_model: ModelConfig | None = None  # the separate critic's architecture; None: the policy's
     agg_mode: str = "token-mean"
     loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
     temperature: float = 1.0  # the sampling temperature: RL log-probs are of logits / temperature
@@ -104,6 +109,7 @@ class UpdateConfig:
         one_of("kl_estimator", KL_ESTIMATORS)
         one_of("agg_mode", LOSS_AGG_MODES)
         one_of("is_correction", IS_CORRECTIONS)
+        one_of("critic", CRITICS)
         at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
                  num_microbatches=self.num_microbatches)
         at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
@@ -126,6 +132,16 @@ class UpdateConfig:
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+    @property
+    def shared_value_head(self) -> bool:
+        """The policy params carry the value head and `rl_loss` trains it."""
+        return self.uses_critic and self.critic == "shared"
+
+    @property
+    def separate_critic(self) -> bool:
+        """Values come from a separate critic model trained by `critic_update`."""
+        return self.uses_critic and self.critic == "separate"
 
     @property
     def uses_reference(self) -> bool:
@@ -181,7 +197,7 @@ def token_logprobs(
     logits = logits[:, :-1] / temperature  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = entropy_from_logits(logits)
-    if config.uses_critic:
+    if config.shared_value_head:
         values = value_head(params, hidden)[:, :-1]  # value of the state each token is sampled in
     else:
         values = jnp.zeros_like(logp)
@@ -189,15 +205,38 @@ def token_logprobs(
     return shift(logp), shift(entropy), shift(values)
 
 
-def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[RLBatch, Metrics]:
+def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig) -> jax.Array:
+    """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
+    value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
+    left out by XLA)."""
+    model = config.critic_model or config.model
+    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
+    activations = config.activation_sharding
+    if activations is not None:
+        spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
+        activations = NamedSharding(activations.mesh, spec)
+    _, _, hidden = forward(critic_params, tokens, positions, None, config=model, dtype=dtype, remat=config.remat,
+                           return_hidden=True, activation_sharding=activations)
+    return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+
+
+def prepare(
+    params: Any, ref_params: Any, batch: TokenBatch, critic_params: Any = None, *, config: UpdateConfig
+) -> tuple[RLBatch, Metrics]:
     """Scores a rollout batch with the current and the reference policy and computes advantages.
 
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
-    the PPO ratio is taken against the trainer's recomputed log-probs.
+    the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
+    separate critic's (`config.separate_critic`), else None.
     """
+    if config.separate_critic != (critic_params is not None):
+        raise ValueError(f"critic={config.critic!r} with advantage={config.advantage!r}: critic_params must be "
+                         f"{'given' if config.separate_critic else 'None'}")
     mask = batch.loss_mask
     temperature = config.temperature
     old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, temperature)
+    if config.separate_critic:
+        values = critic_values(critic_params, batch.tokens, batch.positions, config)
     if config.uses_reference:
         ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config, temperature)
     else:
@@ -263,13 +302,23 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
         kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, **agg)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl
-    if config.uses_critic:
+    if config.shared_value_head:
         v_loss, v_metrics = value_loss(
             values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=config.clip_eps_value,
         )
         loss = loss + config.vf_coef * v_loss
         metrics = {**metrics, **v_metrics, "value_loss": v_loss}
     return loss, {**metrics, "loss": loss}
+
+
+def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """The separate critic's clipped value loss (its own optimizer: no `vf_coef`)."""
+    values = critic_values(critic_params, batch.tokens, batch.positions, config)
+    loss, metrics = value_loss(
+        values, batch.old_values, batch.returns, batch.loss_mask, agg_mode=config.agg_mode,
+        norm_length=config.loss_norm_length, clip_eps_value=config.clip_eps_value,
+    )
+    return loss, {**metrics, "value_loss": loss, "loss": loss}
 
 
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
@@ -323,6 +372,16 @@ def accumulated_update(
 
 def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     """`ppo_epochs` x `num_minibatches` optimizer updates over shuffled rows of `batch`."""
+    return _epochs(state, batch, rl_loss, config)
+
+
+def critic_update(critic_state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """The separate critic's `ppo_epochs` x `num_minibatches` updates (its own shuffles, from its RNG)."""
+    critic_state, metrics = _epochs(critic_state, batch, critic_loss, config)
+    return critic_state, {f"critic/{k}": v for k, v in metrics.items()}
+
+
+def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     rows = batch.tokens.shape[0]
     if rows % (config.num_minibatches * config.num_microbatches):
         raise ValueError(
@@ -335,7 +394,7 @@ def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[
         permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, rows)], batch)
         minibatches = _split(permuted, config.num_minibatches)
         return jax.lax.scan(
-            lambda s, mb: accumulated_update(s, mb, rl_loss, config), state.replace(rng=rng), minibatches
+            lambda s, mb: accumulated_update(s, mb, loss_fn, config), state.replace(rng=rng), minibatches
         )
 
     state, metrics = jax.lax.scan(epoch, state, None, length=config.ppo_epochs)
@@ -379,7 +438,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_
 class StepFns:
     """The jitted steps of one `UpdateConfig` and placement; build once, call every step."""
 
-    prepare: Callable[[Any, Any, TokenBatch], tuple[RLBatch, Metrics]]  # (params, ref_params, batch)
+    prepare: Callable[..., tuple[RLBatch, Metrics]]  # (params, ref_params, batch[, critic_params])
     rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]]  # donates the state
     sft_update: Callable[[TrainState, TokenBatch], tuple[TrainState, Metrics]]  # donates the state
     row_shards: int  # batches need a multiple of this many rows (pad with `make_token_batch(batch_size=)`)
@@ -388,21 +447,31 @@ class StepFns:
         """The smallest row count >= `rows` that splits evenly over the batch axes."""
         return -(-rows // self.row_shards) * self.row_shards
 
+    critic_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None  # separate critic only
 
-def make_step_fns(config: UpdateConfig, mesh: Mesh | None = None, state_shardings: TrainState | None = None) -> StepFns:
-    """`prepare`, `rl_update` and `sft_update` jitted for `config`.
+
+def make_step_fns(
+    config: UpdateConfig,
+    mesh: Mesh | None = None,
+    state_shardings: TrainState | None = None,
+    critic_shardings: TrainState | None = None,
+) -> StepFns:
+    """`prepare`, `rl_update`, `sft_update` (and, with a separate critic, `critic_update`) jitted.
 
     Without a mesh: plain `jax.jit` (one device). With one: explicit `in_shardings` and
     `out_shardings` — the state as `state_shardings` (`train_state_shardings(state, mesh)`; pass
     states already placed there, e.g. with `jax.device_put`), the reference params like the
     params, batch rows over ("data", "fsdp") (the row count must divide over them), metrics
     replicated. Outputs come back in the input shardings, so step after step compiles nothing.
+    A separate critic's state is placed as `critic_shardings` and is the fourth argument of `prepare`.
     Each call makes new jitted functions, i.e. new compilations: call it once per run.
     """
-    params = state = rows = replicated = None
+    params = state = rows = replicated = critic = None
     if mesh is not None:
-        if state_shardings is None:
-            raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
+        if state_shardings is None or (config.separate_critic and critic_shardings is None):
+            raise ValueError("make_step_fns with a mesh needs state_shardings (and critic_shardings for a separate "
+                             "critic), e.g. train_state_shardings(state, mesh)")
+        critic = critic_shardings
         config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
         params, state = state_shardings.params, state_shardings
         rows, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
@@ -411,9 +480,13 @@ def make_step_fns(config: UpdateConfig, mesh: Mesh | None = None, state_sharding
         shardings = {} if mesh is None else dict(in_shardings=ins, out_shardings=outs)
         return jax.jit(functools.partial(fn, config=config), **shardings, **kw)
 
+    prepare_ins = (params, params, rows) + ((None if critic is None else critic.params,) if config.separate_critic else ())
     return StepFns(
-        prepare=jit(prepare, (params, params, rows), (rows, replicated)),
+        prepare=jit(prepare, prepare_ins, (rows, replicated)),
         rl_update=jit(rl_update, (state, rows), (state, replicated), donate_argnums=0),
         sft_update=jit(sft_update, (state, rows), (state, replicated), donate_argnums=0),
         row_shards=1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES),
+        critic_update=(
+            jit(critic_update, (critic, rows), (critic, replicated), donate_argnums=0) if config.separate_critic else None
+        ),
     )
