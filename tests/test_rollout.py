@@ -406,7 +406,7 @@ def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, act
 
 
 def test_agentgym_prompt_style_masks_the_acknowledgement(framing, maze_url, task_info):
-    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", max_turns=2)
+    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", horizon=2)
     assert t.status == S.MAX_TURNS and t.num_turns == 2
     prompt = framing.tokenizer.decode(t.token_ids[: t.turn_spans[0][0]])
     acknowledged = "<|im_start|>assistant\nOk.<|im_end|>"

@@ -58,7 +58,7 @@ class OraclePolicy:
     async def play(self, pool, info, task_ids, horizon, rng):
         del rng  # the oracle is deterministic
         return await play_demonstrations(
-            pool, self.framing, info, task_ids, max_turns=horizon, action_format=self.action_format
+            pool, self.framing, info, task_ids, horizon=horizon, action_format=self.action_format
         )
 
 
