@@ -116,3 +116,32 @@ def test_gspo_gradient_is_the_sequence_ratios():
         s = math.exp(sum(close[i, t] - old[i, t] for t in range(SEQ) if mask[i, t]) / n)
         want = np.where(mask[i], -advantages[i, 0] * s / n / len(rows), 0.0)
         np.testing.assert_allclose(grad[i], want, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("options, level, mode", [
+    (dict(is_correction="token"), "token", "truncate"),
+    (dict(is_correction="sequence"), "sequence", "truncate"),
+    (dict(decoupled_ppo=True), "token", "drop"),
+])
+def test_update_weights_the_policy_loss_by_trainer_over_sampler(options, level, mode):
+    """Through `prepare` and `rl_loss`: the weights of the trainer's recomputed log-probs against the
+    batch's sampler log-probs, and at ratio 1 the policy loss `-Σ w A m / Σ m`."""
+    from test_train_steps import MODEL, _batch
+
+    from agentgym_jax.models.decoder import init_params
+    from agentgym_jax.train import steps
+
+    config = steps.UpdateConfig(model=MODEL, is_cap=1.2, **options)
+    params = init_params(MODEL, jax.random.PRNGKey(0))
+    batch = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 1])
+    trainer, _, _ = jax.jit(steps.token_logprobs, static_argnames="config")(params, batch.tokens, batch.positions, config)
+    mask = np.asarray(batch.loss_mask) > 0
+    sampler = np.asarray(trainer) + np.random.default_rng(0).normal(scale=0.2, size=mask.shape).astype(np.float32)
+    batch = batch.replace(old_logprobs=jnp.asarray(sampler))
+    rl_batch, metrics = jax.jit(steps.prepare, static_argnames="config")(params, params, batch, config=config)
+    want = ref_weights(np.asarray(rl_batch.old_logprobs, np.float64), sampler.astype(np.float64), mask, level, 1.2, mode)
+    np.testing.assert_allclose(rl_batch.is_weights, want, rtol=1e-5, atol=1e-6)
+    assert 0 < float(metrics["is_capped_fraction"]) < 1
+    _, loss_metrics = jax.jit(steps.rl_loss, static_argnames="config")(params, rl_batch, config)
+    advantages = np.asarray(rl_batch.advantages, np.float64)
+    np.testing.assert_allclose(loss_metrics["pg_loss"], -(want * advantages)[mask].sum() / mask.sum(), rtol=1e-5, atol=1e-7)

@@ -96,13 +96,14 @@ def training_batch(
     rows = np.zeros((batch_size,), bool)
     rows[: len(trajectories)] = trained
     batch = batch.replace(loss_mask=np.where(rows[:, None], batch.loss_mask, 0.0).astype(np.float32))
-    kept = num_groups - len(set(dropped)) - (num_groups - len(members))  # groups with a trained row
+    kept = len(members) - len(dropped)  # groups with a trained row
     metrics = {
         "unscored_episodes": float(unscored),
         "overlong_episodes": float(truncated.sum()),
         "trained_episodes": float(trained.sum()),
         "groups_trained": float(kept),
         "groups_uniform": float(len(uniform)),
+        # groups of the step that do not train (uniform, unscored or too small), not refilled
         "dynamic_sampling/shortfall": float(num_groups - kept) if rules.dynamic_sampling else 0.0,
     }
     return batch, metrics

@@ -254,9 +254,9 @@ def prepare(
         group_ids=batch.group_ids,
         **config.estimator_kwargs(),
     )
-    level = "token" if config.decoupled_ppo else config.is_correction
+    # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
     is_weights, is_metrics = importance_weights(
-        old_logprobs, batch.old_logprobs, mask, level="token" if level == "none" else level,
+        old_logprobs, batch.old_logprobs, mask, level="token" if config.is_correction == "none" else config.is_correction,
         cap=config.is_cap, mode="drop" if config.decoupled_ppo else "truncate",
     )
     if not config.corrects_off_policy:
