@@ -210,10 +210,11 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
 
 
 def critic_states(
-    config: ml_collections.ConfigDict, update: UpdateConfig, mesh: jax.sharding.Mesh, policy_params
+    config: ml_collections.ConfigDict, update: UpdateConfig, mesh: jax.sharding.Mesh, policy_params, tx=None
 ) -> list[TrainState]:
     """`[critic_state]` with a separate critic (`update.separate_critic`), else `[]`.
 
+    `tx`: the optimizer of an earlier critic state, to keep (a new one is a new compilation).
     PPO's separate critic, placed on `mesh`: the backbone of `algo.critic_dir` (a Hugging Face
     folder) or a copy of `policy_params`, a new value head, and its own optimizer (`algo.critic_lr`,
     0: `optim.lr`; its schedule spans the RL phase's optimizer updates, like the policy's).
@@ -233,7 +234,8 @@ def critic_states(
     optim = ml_collections.ConfigDict(config.optim.to_dict())
     optim.total_updates = config.train.steps * update.updates_per_step
     optim.lr = config.algo.critic_lr or config.optim.lr
-    state = TrainState.create({**backbone, "value_head": head}, make_optimizer(optim), jax.random.PRNGKey(config.seed + 5))
+    tx = tx or make_optimizer(optim)
+    state = TrainState.create({**backbone, "value_head": head}, tx, jax.random.PRNGKey(config.seed + 5))
     return [jax.device_put(state, train_state_shardings(state, mesh))]
 
 

@@ -90,7 +90,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
-                critic = build.critic_states(config, update_config, mesh, state.params)
+                critic = build.critic_states(config, update_config, mesh, state.params, *(c.tx for c in critic))
             meta["eval_before"] = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             ckpt.save(0, (state, ref_params, *critic), meta, force=True)
 

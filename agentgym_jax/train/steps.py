@@ -463,14 +463,14 @@ def make_step_fns(
     states already placed there, e.g. with `jax.device_put`), the reference params like the
     params, batch rows over ("data", "fsdp") (the row count must divide over them), metrics
     replicated. Outputs come back in the input shardings, so step after step compiles nothing.
-    A separate critic's state is placed as `critic_shardings` and is the fourth argument of `prepare`.
+    A separate critic's state is placed as `critic_shardings` (None: as its inputs come) and is the
+    fourth argument of `prepare`.
     Each call makes new jitted functions, i.e. new compilations: call it once per run.
     """
     params = state = rows = replicated = critic = None
     if mesh is not None:
-        if state_shardings is None or (config.separate_critic and critic_shardings is None):
-            raise ValueError("make_step_fns with a mesh needs state_shardings (and critic_shardings for a separate "
-                             "critic), e.g. train_state_shardings(state, mesh)")
+        if state_shardings is None:
+            raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
         critic = critic_shardings
         config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
         params, state = state_shardings.params, state_shardings
