@@ -23,8 +23,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.checkpoint_step = -1  # -1: the latest checkpoint
     config.split = "test"  # "" for every task id
     config.task_ids = "64"  # "" the whole split, "N" its first N, "a:b" ids a <= id < b
-    config.samples_per_task = 1  # pass@k needs k <= samples_per_task
-    config.temperature = 0.0  # greedy; with samples_per_task > 1 use e.g. 1.0
+    config.group_size = 1  # pass@k needs k <= group_size
+    config.temperature = 0.0  # greedy; with group_size > 1 use e.g. 1.0
     config.horizon = 12  # policy turns per episode
     config.max_attempts = 2  # an infra_error episode is played again, as attempt 1, ...
     config.batch_episodes = 64  # episodes played (and written) together

@@ -69,22 +69,42 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.horizon.rounds = (4, 8, 12)
     config.horizon.steps_per_stage = 8
 
+    # Every key below is a field of train/steps.UpdateConfig or train/rl_batch.BatchFilter;
+    # docs/algorithms.md has the formula and paper of each. A bad value is refused at start-up.
     config.algo = ml_collections.ConfigDict()
-    config.algo.advantage = "grpo"
-    config.algo.ppo_epochs = 2
-    config.algo.num_minibatches = 2
-    config.algo.num_microbatches = 1
-    config.algo.clip_eps_low = 0.2
-    config.algo.clip_eps_high = 0.2
+    config.algo.advantage = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | gae
+    config.algo.gamma = 1.0  # discount of reinforce_plus_plus and gae
+    config.algo.lam = 1.0  # GAE's lambda
+    config.algo.discount = "token"  # gamma/lam applied per policy token, or per turn ("turn")
+    config.algo.ppo_epochs = 2  # passes over each rollout batch
+    config.algo.num_minibatches = 2  # optimizer updates per epoch
+    config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch
+    config.algo.policy_loss = "ppo"  # ppo (per-token ratio) | gspo (per-sequence ratio)
+    config.algo.clip_eps_low = 0.2  # ratio clipped to [1 - low, 1 + high]
+    config.algo.clip_eps_high = 0.2  # DAPO's clip-higher: 0.28
+    config.algo.dual_clip_c = 0.0  # dual-clip PPO's c (> 1, e.g. 3.0); 0: off
     config.algo.kl_coef = 0.001
-    config.algo.kl_estimator = "low_var_kl"
-    config.algo.kl_in_reward = False
+    config.algo.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+    config.algo.kl_in_reward = False  # False: KL as a loss term (GRPO); True: a reward penalty
     config.algo.entropy_coef = 0.0
-    config.algo.agg_mode = "token-mean"
+    config.algo.vf_coef = 0.5  # weight of the value loss (gae only)
+    config.algo.clip_eps_value = 0.5  # value clip range around the rollout-time values (gae only)
+    config.algo.critic = "shared"  # gae's value model: a head on the policy trunk, or "separate" (own params, optimizer)
+    config.algo.critic_dir = ""  # the separate critic's Hugging Face folder; empty: a copy of the (warm-started) policy
+    config.algo.critic_lr = 0.0  # the separate critic's learning rate; 0: optim.lr
+    config.algo.agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    config.algo.loss_norm_length = 0  # seq-mean-token-sum-norm's constant (Dr. GRPO: the token budget); 0: unset
+    config.algo.is_correction = "none"  # truncated importance sampling of trainer vs sampler: none | token | sequence
+    config.algo.decoupled_ppo = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
+    config.algo.is_cap = 2.0  # importance weights truncated at (TIS) or dropped above (decoupled) this
+    config.algo.dynamic_sampling = False  # DAPO: leave out groups whose returns are all equal
+    config.algo.overlong = "off"  # token-budget-truncated episodes: off | mask | penalty (DAPO's soft punishment)
+    config.algo.overlong_buffer = 256  # penalty ramps over the budget's last this-many tokens
+    config.algo.overlong_penalty = 1.0  # the penalty at the token budget
 
     config.optim = ml_collections.ConfigDict()
     config.optim.lr = 2e-4
-    config.optim.warmup_steps = 0
+    config.optim.warmup_steps = 0  # counted in optimizer updates (RL: ppo_epochs x num_minibatches per step)
     config.optim.lr_schedule = "constant"
     config.optim.weight_decay = 0.0
     config.optim.grad_clip = 1.0

@@ -87,7 +87,7 @@ ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 # As small as the path through the code allows: one exploration round of 2 episodes of one turn
 # (a 256-token cache holds the ~100-token prompt, prefilled as a 128-token chunk, and the turn).
-TINY = {"agentevol.iterations": 1, "agentevol.explore_tasks": 1, "agentevol.samples_per_task": 2,
+TINY = {"agentevol.iterations": 1, "agentevol.explore_tasks": 1, "agentevol.group_size": 2,
         "agentevol.horizon": 1, "sft.num_tasks": 2, "sft.epochs": 1, "eval.num_tasks": 1, "eval.horizon": 1,
         "rollout.max_cache_len": 256, "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8}
 
@@ -132,7 +132,7 @@ def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     assert all((workdir / "checkpoints" / str(i)).is_dir() for i in range(2))
 
 
-LEARN = {"agentevol.iterations": 2, "agentevol.explore_tasks": 32, "agentevol.samples_per_task": 4,
+LEARN = {"agentevol.iterations": 2, "agentevol.explore_tasks": 32, "agentevol.group_size": 4,
          "sft.num_tasks": 8, "sft.epochs": 30, "sft.batch_size": 8, "eval.num_tasks": 32}
 
 

@@ -29,7 +29,7 @@ SAMPLES = 2
 
 def collect_command(out: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/collect.py", "--config.envs=maze",
-            f"--config.task_ids={TASKS[0]}:{TASKS[1]}", f"--config.samples_per_task={SAMPLES}",
+            f"--config.task_ids={TASKS[0]}:{TASKS[1]}", f"--config.group_size={SAMPLES}",
             "--config.batch_episodes=2", f"--config.out_dir={out}"]
 
 

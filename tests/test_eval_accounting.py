@@ -28,7 +28,7 @@ def test_worked_example_60_success_30_failure_10_infra():
     records = [rec(i, S.SUCCESS) for i in range(60)]
     records += [rec(i, S.FAILURE) for i in range(60, 90)]
     records += [rec(i, S.INFRA_ERROR) for i in range(90, 100)]
-    summary = acc.summarize(records, {"textcraft": 1.0}, num_samples=1)
+    summary = acc.summarize(records, {"textcraft": 1.0}, group_size=1)
     m = summary.per_env["textcraft"]
     assert m.scheduled == 100
     assert (m.success.numerator, m.success.denominator) == (60, 100)
@@ -78,7 +78,7 @@ def test_pass_and_avg_at_k_averaged_over_tasks():
     records = [
         rec(t, S.SUCCESS if s < wins[t] else S.FAILURE, sample=s) for t in wins for s in range(4)
     ]
-    m = acc.summarize(records, {"textcraft": 1.0}, num_samples=4).per_env["textcraft"]
+    m = acc.summarize(records, {"textcraft": 1.0}, group_size=4).per_env["textcraft"]
     assert sorted(m.pass_at_k) == [1, 2, 4]
     assert m.pass_at_k[1] == pytest.approx((1 / 4 + 3 / 4 + 0) / 3)
     # pass@2: 1 - C(n-c, 2)/C(4, 2) = 1 - 3/6, 1 - 0/6, 0.
@@ -96,7 +96,7 @@ def test_last_attempt_counts_and_retries_are_reported():
         rec(1, S.ENV_TIMEOUT, attempt=2),  # the last attempt counts, even if worse
         rec(1, S.INFRA_ERROR, attempt=1),
     ]
-    summary = acc.summarize(records, {"textcraft": 1.0}, num_samples=1)
+    summary = acc.summarize(records, {"textcraft": 1.0}, group_size=1)
     m = summary.per_env["textcraft"]
     assert m.scheduled == 2 and m.retries == 3
     assert [e.status for e in summary.episodes] == ["success", "env_timeout"]
@@ -107,12 +107,12 @@ def test_last_attempt_counts_and_retries_are_reported():
 def test_duplicate_terminal_record_is_rejected():
     records = [rec(4, S.SUCCESS, sample=1), rec(4, S.FAILURE, sample=1)]
     with pytest.raises(ValueError, match="two terminal records for env='textcraft' task=4 sample=1 attempt=0"):
-        acc.summarize(records, {"textcraft": 1.0}, num_samples=2)
+        acc.summarize(records, {"textcraft": 1.0}, group_size=2)
 
 
 def test_missing_episodes_stay_in_the_denominator():
     records = [rec(0, S.SUCCESS, sample=0), rec(0, S.FAILURE, sample=1), rec(2, S.SUCCESS, sample=1)]
-    summary = acc.summarize(records, {"textcraft": 1.0}, num_samples=2, task_ids={"textcraft": [0, 1, 2]})
+    summary = acc.summarize(records, {"textcraft": 1.0}, group_size=2, task_ids={"textcraft": [0, 1, 2]})
     m = summary.per_env["textcraft"]
     assert m.scheduled == 6 and m.status_counts["missing"] == 3
     assert m.success.value == pytest.approx(2 / 6)
@@ -123,10 +123,10 @@ def test_schedule_and_threshold_errors():
     with pytest.raises(ValueError, match="task=9 sample=0 is not scheduled"):
         acc.summarize([rec(9, S.SUCCESS)], {"textcraft": 1.0}, 1, task_ids={"textcraft": [0]})
     with pytest.raises(ValueError, match="sample=3 is not scheduled"):
-        acc.summarize([rec(0, S.SUCCESS, sample=3)], {"textcraft": 1.0}, num_samples=2)
+        acc.summarize([rec(0, S.SUCCESS, sample=3)], {"textcraft": 1.0}, group_size=2)
     with pytest.raises(ValueError, match=r"no success threshold for env\(s\) \['sciworld'\]"):
         acc.summarize([rec(0, S.SUCCESS, env="sciworld")], {"textcraft": 1.0}, 1)
-    with pytest.raises(ValueError, match="num_samples"):
+    with pytest.raises(ValueError, match="group_size"):
         acc.summarize([], {}, 0)
     with pytest.raises(ValueError, match="every k"):
         acc.summarize([rec(0, S.SUCCESS)], {"textcraft": 1.0}, 1, ks=[2])
@@ -140,7 +140,7 @@ def test_thresholds_scales_and_scored_only_statistics():
         rec(0, S.SUCCESS, reward=1.0, turns=4),
         rec(1, S.INVALID_ACTION_LIMIT, reward=0.0, turns=6, invalid=6),
     ]
-    summary = acc.summarize(records, {"sciworld": 100.0, "textcraft": 1.0}, num_samples=1)
+    summary = acc.summarize(records, {"sciworld": 100.0, "textcraft": 1.0}, group_size=1)
     sw, tc = summary.per_env["sciworld"], summary.per_env["textcraft"]
     assert sw.success.numerator == 1 and sw.conditional_success.denominator == 2
     assert sw.mean_score == pytest.approx(199.0 / 3)  # infra error counts 0, on the 0-100 scale
@@ -156,7 +156,7 @@ def test_thresholds_scales_and_scored_only_statistics():
 
 def test_status_and_reward_disagreements_are_counted():
     records = [rec(0, S.SUCCESS, reward=0.5), rec(1, S.FAILURE, reward=1.0), rec(2, S.INFRA_ERROR, reward=1.0)]
-    m = acc.summarize(records, {"textcraft": 1.0}, num_samples=1).per_env["textcraft"]
+    m = acc.summarize(records, {"textcraft": 1.0}, group_size=1).per_env["textcraft"]
     assert m.success.numerator == 1  # the threshold decides: task 1's reward reached it
     assert m.status_mismatches == 2  # tasks 0 and 1; the unscored infra error is no mismatch
 
@@ -170,6 +170,6 @@ def test_records_from_trajectories():
                           status=status, invalid_actions=1, attempt=attempt)  # fmt: skip
 
     trajs = [traj(0, S.SUCCESS, 1.0, 3), traj(1, S.INFRA_ERROR, 0.0, 1), traj(1, S.FAILURE, 0.0, 5, attempt=1)]
-    m = acc.summarize(trajs, {"maze": 1.0}, num_samples=1).per_env["maze"]
+    m = acc.summarize(trajs, {"maze": 1.0}, group_size=1).per_env["maze"]
     assert m.success.value == 0.5 and m.retries == 1 and m.infra_rate.value == 0.0
     assert m.mean_turns == 4.0 and m.invalid_action_rate == pytest.approx(2 / 8)

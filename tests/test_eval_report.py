@@ -22,7 +22,7 @@ def summary():
     records += [rec("maze", t, S.FAILURE, turns=5) for t in range(6, 9)]
     records += [rec("maze", 9, S.INFRA_ERROR, turns=1)]
     records += [rec("sciworld", 0, S.SUCCESS, turns=7, reward=100.0), rec("sciworld", 1, S.MAX_TURNS, 9, 40.0)]
-    return acc.summarize(records, {"maze": 1.0, "sciworld": 100.0}, num_samples=1)
+    return acc.summarize(records, {"maze": 1.0, "sciworld": 100.0}, group_size=1)
 
 
 def test_json_and_markdown_content(summary, tmp_path):
@@ -52,7 +52,7 @@ def test_json_and_markdown_content(summary, tmp_path):
     assert "(7/12)" in overall_row and "| — |" in overall_row  # no mean score across scales
     assert "Paired comparison" in markdown and "4/0/6" in markdown
     assert "Warning" not in markdown
-    wrong = acc.summarize([rec("maze", 0, S.FAILURE, 3, reward=1.0)], {"maze": 1.0}, num_samples=1)
+    wrong = acc.summarize([rec("maze", 0, S.FAILURE, 3, reward=1.0)], {"maze": 1.0}, group_size=1)
     assert "**Warning:** 1 scored episode(s) have a status that disagrees" in report.markdown_table(wrong)
 
 
@@ -69,7 +69,7 @@ def test_plots_are_valid_pngs(summary, tmp_path):
 
 def test_an_environment_with_only_infra_errors(tmp_path):
     records = [rec("babyai", t, S.INFRA_ERROR, turns=0) for t in range(3)] + [rec("maze", 0, S.SUCCESS, 2)]
-    summary = acc.summarize(records, {"babyai": 1.0, "maze": 1.0}, num_samples=1)
+    summary = acc.summarize(records, {"babyai": 1.0, "maze": 1.0}, group_size=1)
     paths = report.write_report(summary, str(tmp_path))
     data = json.loads(open(paths[report.JSON_NAME]).read())["per_env"]["babyai"]
     assert data["conditional_success"] == {"numerator": 0, "denominator": 0, "value": None, "low": None, "high": None}

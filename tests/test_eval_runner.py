@@ -105,7 +105,7 @@ def test_killed_server_is_counted_in_the_end_to_end_denominator(framing, tmp_pat
     with LocalServers(["maze"]) as a, LocalServers(["maze"]) as b:
         urls = [a.servers[0].url, b.servers[0].url]
         pool = KillingPool(urls, b, kill_after=20, max_retries=1, backoff_s=0.01)
-        kwargs = dict(samples_per_task=2, horizon=HORIZON, seed=0, batch_episodes=20, progress=False)
+        kwargs = dict(group_size=2, horizon=HORIZON, seed=0, batch_episodes=20, progress=False)
         summary = runner.evaluate(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
                                   max_attempts=1, **kwargs)
         assert b.servers[0].process.returncode == -9 and a.servers[0].process.poll() is None
@@ -238,7 +238,7 @@ def test_mode_eval_through_the_launcher_with_a_hf_policy(framing, tmp_path):
     hf_checkpoint.save_pretrained(random_params(model, 0), model, hf, tokenizer_dir=tmp_path / "tok")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/eval.py", f"--config.policy=hf:{hf}",
-           "--config.task_ids=2", "--config.samples_per_task=2", "--config.temperature=1.0", "--config.horizon=2",
+           "--config.task_ids=2", "--config.group_size=2", "--config.temperature=1.0", "--config.horizon=2",
            "--config.rollout.max_tokens_per_turn=4", "--config.rollout.max_cache_len=512", f"--config.out_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

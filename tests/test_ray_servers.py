@@ -60,7 +60,7 @@ async def _play(urls: list[str], kill_first) -> tuple[list, dict[int, EpisodeSta
     async with EnvPool(urls, max_retries=2, backoff_s=0.05, request_timeout_s=10.0) as pool:
         info = await pool.tasks()
         assert info.env == "room"
-        full = await asyncio.gather(*(pool.run_episode(i, pool.oracle_policy, max_turns=30) for i in info.splits["test"][:2]))
+        full = await asyncio.gather(*(pool.run_episode(i, pool.oracle_policy, horizon=30) for i in info.splits["test"][:2]))
 
         await pool.reset_many([(slot, info.splits["test"][slot]) for slot in range(SLOTS)])
         first = await pool.step_many([(s, await pool.oracle_action(s)) for s in range(SLOTS)])

@@ -292,3 +292,116 @@ def test_compute_advantages_rejects_bad_requests():
         adv.reinforce_plus_plus(inputs["token_rewards"], inputs["loss_mask"], gamma=1.5)
     with pytest.raises(ValueError, match="shape mismatch"):
         adv.gae(jnp.zeros((2, 3)), jnp.zeros((2, 4)), jnp.ones((2, 3)))
+
+
+# ---- dense (per-turn) rewards: a real batch of multi-turn trajectories ------------------------
+
+
+def dense_trajectory(group_id, turn_lengths, rewards, seed):
+    """prompt(3) then per turn its policy ids and 2 environment ids; reward after every turn."""
+    from agentgym_jax.rollout.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    ids, mask, spans = [1, 2, 3], [0, 0, 0], []
+    for k, n in enumerate(turn_lengths):
+        spans.append((len(ids), len(ids) + n))
+        ids += [int(x) for x in rng.integers(10, 60, n)]
+        mask += [1] * n
+        if k < len(turn_lengths) - 1:
+            ids += [4, 5]
+            mask += [0, 0]
+    return Trajectory(task_id=group_id, env="room", group_id=group_id, token_ids=ids, loss_mask=mask,
+                      logprobs=[0.0] * len(ids), turn_spans=spans, turn_rewards=list(rewards),
+                      reward=float(sum(rewards)), status="success")
+
+
+def dense_batch():
+    from agentgym_jax.rollout.batch import make_token_batch
+
+    trajectories = [
+        dense_trajectory(0, [3, 2, 4], [0.25, 0.0, 0.5], 0),
+        dense_trajectory(0, [2, 2], [0.125, -0.25], 1),
+        dense_trajectory(1, [1, 3, 2, 2], [0.5, 0.25, 0.0, 1.0], 2),
+        dense_trajectory(1, [4], [0.75], 3),
+    ]
+    return trajectories, make_token_batch(trajectories)
+
+
+def turns_of(t):
+    return [list(range(s, e)) for s, e in t.turn_spans]
+
+
+def ref_turn_returns(t, gamma):
+    """Return of each turn, `sum_{j >= k} gamma^(j-k) r_j`, on each of its tokens."""
+    out = {}
+    for k, positions in enumerate(turns_of(t)):
+        g = sum(gamma ** (j - k) * r for j, r in enumerate(t.turn_rewards) if j >= k)
+        out.update(dict.fromkeys(positions, g))
+    return out
+
+
+def ref_turn_gae(t, values, gamma, lam):
+    """Turn-level GAE in closed form: inside turn k every token gets
+    `r_k + gamma V(first token of turn k+1) - V(token) + gamma lam A(first token of turn k+1)`."""
+    out, next_first_value, next_first_adv = {}, 0.0, 0.0
+    for k, positions in reversed(list(enumerate(turns_of(t)))):
+        r = t.turn_rewards[k]
+        for p in positions:
+            out[p] = r + gamma * next_first_value - values[p] + gamma * lam * next_first_adv
+        next_first_value, next_first_adv = values[positions[0]], out[positions[0]]
+    return out
+
+
+def as_array(per_row, shape):
+    out = np.zeros(shape)
+    for i, entries in enumerate(per_row):
+        for p, v in entries.items():
+            out[i, p] = v
+    return out
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.8)])
+def test_dense_rewards_per_turn_match_references(gamma, lam):
+    trajectories, b = dense_batch()
+    mask = np.asarray(b.loss_mask) > 0
+    rewards = np.asarray(b.token_rewards, np.float64)
+    for i, t in enumerate(trajectories):  # each turn's reward on its last policy token, nothing else
+        want = np.zeros(mask.shape[1])
+        for (_, end), r in zip(t.turn_spans, t.turn_rewards):
+            want[end - 1] = r
+        np.testing.assert_array_equal(rewards[i], want)
+    values = np.random.default_rng(7).normal(size=mask.shape).astype(np.float32).astype(np.float64)
+    r32, m, v32 = f32(rewards, mask, values)
+
+    # token discounting: the token-level references
+    _, returns = REINFORCE(r32, m, gamma=gamma)
+    np.testing.assert_allclose(returns, ref_reinforce_returns(rewards, mask, gamma), **TOL)
+    advantages, _ = GAE(r32, v32, m, gamma=gamma, lam=lam, whiten=False)
+    np.testing.assert_allclose(advantages, ref_gae(rewards, values, mask, gamma, lam)[0], **TOL)
+
+    # turn discounting: the per-turn references
+    _, returns = adv.reinforce_plus_plus(r32, m, gamma=gamma, discount="turn")
+    want = as_array([ref_turn_returns(t, gamma) for t in trajectories], mask.shape)
+    np.testing.assert_allclose(returns, want, **TOL)
+    advantages, _ = adv.gae(r32, v32, m, gamma=gamma, lam=lam, discount="turn", whiten=False)
+    want = as_array([ref_turn_gae(t, values[i], gamma, lam) for i, t in enumerate(trajectories)], mask.shape)
+    np.testing.assert_allclose(advantages, want, **TOL)
+
+    # GRPO and RLOO: the episode return, whatever the turn it was earned in
+    episode_returns = [t.reward for t in trajectories]
+    np.testing.assert_allclose(b.scores, episode_returns)
+    advantages, _ = GRPO(*f32(b.scores, mask), b.group_ids)
+    want = ref_group_outcome(episode_returns, np.asarray(b.group_ids), mask, grpo_rule(1e-6, True))
+    np.testing.assert_allclose(advantages, want, **TOL)
+    advantages, _ = COMPUTE("rloo", token_rewards=r32, loss_mask=m, group_ids=b.group_ids)
+    np.testing.assert_allclose(advantages, ref_group_outcome(episode_returns, np.asarray(b.group_ids), mask, rloo_rule), **TOL)
+
+
+def test_turn_discounting_differs_from_token_discounting_and_bad_names_are_refused():
+    _, b = dense_batch()
+    r32, m = f32(b.token_rewards, b.loss_mask)
+    _, by_token = adv.reinforce_plus_plus(r32, m, gamma=0.9)
+    _, by_turn = adv.reinforce_plus_plus(r32, m, gamma=0.9, discount="turn")
+    assert np.abs(np.asarray(by_token) - np.asarray(by_turn)).max() > 0.05
+    with pytest.raises(ValueError, match="unknown discount 'step'; valid: token, turn"):
+        adv.reinforce_plus_plus(r32, m, discount="step")

@@ -14,12 +14,12 @@ BATCH, SEQ, VOCAB = 8, 20, 7
 SEEDS = range(3)
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODES = masked.LOSS_AGG_MODES
-
+NORM_LENGTH = 16.0  # the constant of seq-mean-token-sum-norm (Dr. GRPO); the other modes ignore it
 
 
 def every_mode(fn):
     """`fn` under one `jax.jit` for all aggregation modes at once: `{agg_mode: fn(...)}`."""
-    return jax.jit(lambda *args, **kwargs: {m: fn(*args, agg_mode=m, **kwargs) for m in MODES})
+    return jax.jit(lambda *args, **kwargs: {m: fn(*args, agg_mode=m, norm_length=NORM_LENGTH, **kwargs) for m in MODES})
 
 
 PPO = jax.jit(losses.ppo_policy_loss, static_argnames=("agg_mode",))
@@ -44,6 +44,8 @@ def ref_aggregate(loss, mask, mode):
         return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / len(rows)
+    if mode == "seq-mean-token-sum-norm":
+        return sum(sum(r) / NORM_LENGTH for r in rows) / len(rows)
     return sum(sum(r) / len(r) for r in rows) / len(rows)
 
 
@@ -119,7 +121,8 @@ def test_seq_modes_ignore_all_masked_rows_and_weigh_sequences_equally():
     loss = np.array([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
     mask = np.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
     got = {m: float(v) for m, v in AGGREGATE_MODES(jnp.asarray(loss), jnp.asarray(mask)).items()}
-    want = {"token-mean": 8 / 5, "seq-mean-token-sum": 8 / 2, "seq-mean-token-mean": 5 / 2}
+    want = {"token-mean": 8 / 5, "seq-mean-token-sum": 8 / 2, "seq-mean-token-mean": 5 / 2,
+            "seq-mean-token-sum-norm": (4 / NORM_LENGTH + 4 / NORM_LENGTH) / 2}
     assert got == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="unknown agg_mode 'mean'; valid: token-mean"):
         masked.aggregate_loss(jnp.asarray(loss), jnp.asarray(mask), "mean")
@@ -294,12 +297,13 @@ def test_full_loss_gradients_finite_with_all_masked_rows():
             fields["advantages"],
             m,
             agg_mode=mode,
+            norm_length=NORM_LENGTH,
             dual_clip_c=3.0,
         )
-        vf, _ = losses.value_loss(values, fields["old_values"], fields["returns"], m, agg_mode=mode)
-        ent = losses.entropy_bonus(logits, m, agg_mode=mode)
+        vf, _ = losses.value_loss(values, fields["old_values"], fields["returns"], m, agg_mode=mode, norm_length=NORM_LENGTH)
+        ent = losses.entropy_bonus(logits, m, agg_mode=mode, norm_length=NORM_LENGTH)
         kl_term = kl.kl_loss(
-            logprobs, fields["ref_logprobs"], m, estimator="low_var_kl", agg_mode=mode
+            logprobs, fields["ref_logprobs"], m, estimator="low_var_kl", agg_mode=mode, norm_length=NORM_LENGTH
         )
         return pg + 0.5 * vf - 0.01 * ent + 0.1 * kl_term
 

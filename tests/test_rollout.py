@@ -284,7 +284,7 @@ class ScriptedSampler:
 
     def __init__(self, framing: ChatFraming, scripts: list[list[str]], action_format: str = "Action: {}"):
         self.framing, self.scripts, self.action_format = framing, scripts, action_format
-        self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids)
+        self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids, return_raw_logprobs=True)
         self.turn = [0] * len(scripts)
 
     def prefill(self, params, prompts):
@@ -303,7 +303,7 @@ class ScriptedSampler:
             tokens[row, : len(ids)], count[row], stop[row] = ids, len(ids), StopReason.END_OF_TURN
             self.turn[row] += 1
         logprobs = np.where(np.arange(width) < count[:, None], -0.5, 0.0).astype(np.float32)
-        return state, TurnOutput(tokens, count, logprobs, None, stop)
+        return state, TurnOutput(tokens, count, logprobs, logprobs, stop)
 
 
 def test_success_and_failure_with_a_scripted_policy(framing, maze_url, task_info):
@@ -406,7 +406,7 @@ def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, act
 
 
 def test_agentgym_prompt_style_masks_the_acknowledgement(framing, maze_url, task_info):
-    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", max_turns=2)
+    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", horizon=2)
     assert t.status == S.MAX_TURNS and t.num_turns == 2
     prompt = framing.tokenizer.decode(t.token_ids[: t.turn_spans[0][0]])
     acknowledged = "<|im_start|>assistant\nOk.<|im_end|>"

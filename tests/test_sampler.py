@@ -159,7 +159,8 @@ def test_logprobs_equal_numpy_filtered_distribution():
             expected = numpy_sampling_logprobs(reference[step], config)
             assert np.isfinite(expected[token]), f"row {row} step {step}: {token} outside the filtered support"
             np.testing.assert_allclose(turn.logprobs[row, step], expected[token], atol=2e-5)
-            raw = reference[step] - np.logaddexp.reduce(reference[step])
+            scaled = reference[step] / config.temperature  # unfiltered, at the sampling temperature
+            raw = scaled - np.logaddexp.reduce(scaled)
             np.testing.assert_allclose(turn.raw_logprobs[row, step], raw[token], atol=2e-5)
 
 

@@ -170,7 +170,7 @@ def test_updates_raise_the_likelihood_of_positive_advantage_rows():
 
 def test_gae_uses_the_value_head_and_trains_it():
     batch = _batch()
-    config = steps.UpdateConfig(model=MODEL, advantage="gae", advantage_hparams=(("gamma", 1.0), ("lam", 1.0)))
+    config = steps.UpdateConfig(model=MODEL, advantage="gae", gamma=1.0, lam=1.0)
     fns = step_fns(config)
     state = _state(optax.adam(1e-2), value_head=True)
     rl_batch, _ = fns.prepare(state.params, state.params, batch)

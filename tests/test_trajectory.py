@@ -75,6 +75,7 @@ def test_token_batch_puts_the_reward_on_the_last_policy_token_and_pads_inertly()
     b = _trajectory(group_id=11, reward=0.5)
     c = _trajectory(group_id=2, reward=0.25)
     c.token_ids, c.loss_mask, c.logprobs = c.token_ids[:7], c.loss_mask[:7], c.logprobs[:7]
+    c.turn_spans, c.turn_rewards = c.turn_spans[:1], [0.25]
     batch = make_token_batch([a, b, c], batch_size=4)
     assert batch.shape == (4, 16)
     rewards = np.asarray(batch.token_rewards)
@@ -84,6 +85,34 @@ def test_token_batch_puts_the_reward_on_the_last_policy_token_and_pads_inertly()
     np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 2])  # padding row: its own group
     assert np.asarray(batch.loss_mask)[3].sum() == 0
     np.testing.assert_array_equal(batch.positions[2], list(range(7)) + [-1] * 9)
+
+
+def test_each_turn_reward_sits_on_its_turns_last_policy_token():
+    dense = _trajectory(reward=0.75)
+    dense.turn_rewards = [0.25, 0.5]  # e.g. SciWorld's score deltas
+    outcome_only = _trajectory(reward=1.0)  # a dataset record: no per-turn rewards, an outcome
+    outcome_only.turn_rewards = [0.0, 0.0]
+    unstepped = _trajectory(reward=0.25, status="token_budget")  # the last turn was never sent
+    unstepped.turn_rewards = [0.25]
+    batch = make_token_batch([dense, outcome_only, unstepped])
+    rewards = np.asarray(batch.token_rewards)
+    want = np.zeros((3, 16), np.float32)
+    want[0, [4, 9]] = [0.25, 0.5]
+    want[1, 9] = 1.0
+    want[2, 4] = 0.25
+    np.testing.assert_array_equal(rewards, want)
+    np.testing.assert_array_equal(batch.scores, [0.75, 1.0, 0.25])
+
+
+def test_turn_spans_outside_the_tokens_are_rejected():
+    record = _trajectory().to_json()
+    record["turn_spans"] = [(3, 5), (7, 12)]
+    with pytest.raises(ValueError, match="turn span"):
+        Trajectory.from_json(record)
+    record = _trajectory().to_json()
+    record["turn_rewards"] = [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="turn_rewards"):
+        Trajectory.from_json(record)
 
 
 def test_bucket_is_the_smallest_power_of_two_or_one_and_a_half_times_one_at_least_the_length():

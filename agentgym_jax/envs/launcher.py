@@ -189,12 +189,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-async def play_oracle_episode(url: str, auth_token: str = "", max_turns: int = 500) -> Episode:
+async def play_oracle_episode(url: str, auth_token: str = "", horizon: int = 500) -> Episode:
     """Plays the first test task (or the first task) of the server's environment with its oracle."""
     async with EnvPool(url, auth_token=auth_token, max_concurrency=4) as pool:
         info = await pool.tasks()
         split = info.splits.get("test") or next(ids for ids in info.splits.values() if ids)
-        return await pool.run_episode(split[0], pool.oracle_policy, max_turns=max_turns)
+        return await pool.run_episode(split[0], pool.oracle_policy, horizon=horizon)
 
 
 async def _gather(*episodes: Awaitable[Episode]) -> list[Episode]:

@@ -242,14 +242,14 @@ class EnvPool:
 
     # -- whole episodes and server info -------------------------------------------------------
 
-    async def run_episode(self, data_idx: int, policy: Policy, max_turns: int = 100) -> Episode:
+    async def run_episode(self, data_idx: int, policy: Policy, horizon: int = 100) -> Episode:
         """Plays task `data_idx` to the end on a slot of its own, e.g. with `self.oracle_policy`."""
         slot = next(self._scratch_slots)
         try:
             first = await self.reset(slot, data_idx)
             turns: list[Turn] = []
             last = first
-            while last.status is None and len(turns) < max_turns:
+            while last.status is None and len(turns) < horizon:
                 try:
                     action = await policy(slot, last.observation)
                 except EnvError as e:  # e.g. the oracle's server went away

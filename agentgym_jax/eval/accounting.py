@@ -104,14 +104,14 @@ class Metrics:
 
     scheduled: int
     num_tasks: int
-    num_samples: int
+    group_size: int
     success: Rate  # end-to-end: successes / scheduled
     conditional_success: Rate  # successes / scored episodes only
     infra_rate: Rate  # infra errors / scheduled
     mean_score: float | None  # end-to-end mean reward (unscored and missing count 0); None across scales
     mean_score_scored: float | None  # mean reward over scored episodes; None across scales
     pass_at_k: dict[int, float]  # k -> unbiased pass@k averaged over tasks (end-to-end)
-    avg_at_k: float  # mean success over the k = num_samples samples of a task, averaged over tasks
+    avg_at_k: float  # mean success over the k = group_size samples of a task, averaged over tasks
     invalid_action_rate: float | None  # invalid actions / policy turns, over scored episodes
     mean_turns: float | None  # over scored episodes
     status_counts: dict[str, int]  # every EpisodeStatus value plus `missing`, zeros included
@@ -139,15 +139,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def default_ks(num_samples: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to and including `num_samples`."""
-    return tuple(sorted({2**i for i in range(num_samples.bit_length()) if 2**i <= num_samples} | {num_samples}))
+def default_ks(group_size: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `group_size`."""
+    return tuple(sorted({2**i for i in range(group_size.bit_length()) if 2**i <= group_size} | {group_size}))
 
 
 def counted_episodes(
     records: Iterable[EpisodeRecord | Trajectory],
     thresholds: Mapping[str, float],
-    num_samples: int,
+    group_size: int,
     task_ids: Mapping[str, Sequence[int]] | None = None,
 ) -> list[Episode]:
     """The scheduled episodes, sorted, each with the record that counts (its last attempt).
@@ -157,8 +157,8 @@ def counted_episodes(
     records of one (task, sample, attempt), on records outside the schedule, and on envs without
     a threshold.
     """
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
     by_key: dict[tuple[str, int, int], dict[int, EpisodeRecord]] = collections.defaultdict(dict)
     for r in records:
         r = EpisodeRecord.from_trajectory(r) if isinstance(r, Trajectory) else r
@@ -176,10 +176,10 @@ def counted_episodes(
     else:
         scheduled_tasks = {env: set(ids) for env, ids in task_ids.items()}
     for env, task, sample in by_key:
-        if task not in scheduled_tasks.get(env, ()) or not 0 <= sample < num_samples:
+        if task not in scheduled_tasks.get(env, ()) or not 0 <= sample < group_size:
             raise ValueError(
                 f"record env={env!r} task={task} sample={sample} is not scheduled "
-                f"(num_samples={num_samples}, scheduled envs: {sorted(scheduled_tasks)})"
+                f"(group_size={group_size}, scheduled envs: {sorted(scheduled_tasks)})"
             )
     unknown = sorted(set(scheduled_tasks) - set(thresholds))
     if unknown:
@@ -188,7 +188,7 @@ def counted_episodes(
     episodes = []
     for env in sorted(scheduled_tasks):
         for task in sorted(scheduled_tasks[env]):
-            for sample in range(num_samples):
+            for sample in range(group_size):
                 attempts = by_key.get((env, task, sample), {})
                 record = attempts[max(attempts)] if attempts else None
                 scored = record is not None and record.status.is_scored
@@ -200,21 +200,21 @@ def counted_episodes(
 
 
 def compute_metrics(
-    episodes: Sequence[Episode], num_samples: int, ks: Sequence[int] | None = None, same_scale: bool = True
+    episodes: Sequence[Episode], group_size: int, ks: Sequence[int] | None = None, same_scale: bool = True
 ) -> Metrics:
     """Metrics of `episodes` (all scheduled samples of each of their tasks).
 
     `same_scale=False` (several environments pooled) leaves the mean scores out: averaging a
     0-100 score with a 0-1 score means nothing.
     """
-    ks = tuple(ks) if ks is not None else default_ks(num_samples)
-    if any(not 1 <= k <= num_samples for k in ks):
-        raise ValueError(f"every k must be in 1..{num_samples} (num_samples), got {ks}")
+    ks = tuple(ks) if ks is not None else default_ks(group_size)
+    if any(not 1 <= k <= group_size for k in ks):
+        raise ValueError(f"every k must be in 1..{group_size} (group_size), got {ks}")
     per_task: dict[tuple[str, int], list[Episode]] = collections.defaultdict(list)
     for e in episodes:
         per_task[(e.env, e.task_id)].append(e)
-    if any(len(group) != num_samples for group in per_task.values()):
-        raise ValueError(f"every task needs exactly num_samples={num_samples} scheduled episodes")
+    if any(len(group) != group_size for group in per_task.values()):
+        raise ValueError(f"every task needs exactly group_size={group_size} scheduled episodes")
 
     scheduled = len(episodes)
     scored = [e for e in episodes if e.is_scored]
@@ -232,14 +232,14 @@ def compute_metrics(
     return Metrics(
         scheduled=scheduled,
         num_tasks=len(per_task),
-        num_samples=num_samples,
+        group_size=group_size,
         success=Rate.of(successes, scheduled),
         conditional_success=Rate.of(successes, len(scored)),
         infra_rate=Rate.of(counts[EpisodeStatus.INFRA_ERROR.value], scheduled),
         mean_score=sum(rewards) / scheduled if same_scale and scheduled else None,
         mean_score_scored=sum(rewards) / len(rewards) if same_scale and rewards else None,
-        pass_at_k={k: task_mean(pass_at_k(num_samples, c, k) for c in task_successes) for k in ks},
-        avg_at_k=task_mean(c / num_samples for c in task_successes),
+        pass_at_k={k: task_mean(pass_at_k(group_size, c, k) for c in task_successes) for k in ks},
+        avg_at_k=task_mean(c / group_size for c in task_successes),
         invalid_action_rate=sum(e.record.invalid_actions for e in scored) / turns if turns else None,
         mean_turns=turns / len(scored) if scored else None,
         status_counts=status_counts,
@@ -265,17 +265,17 @@ class EvalSummary:
 def summarize(
     records: Iterable[EpisodeRecord | Trajectory],
     thresholds: Mapping[str, float],
-    num_samples: int,
+    group_size: int,
     task_ids: Mapping[str, Sequence[int]] | None = None,
     ks: Sequence[int] | None = None,
 ) -> EvalSummary:
     """Per-environment and overall metrics of an evaluation run (see `counted_episodes`)."""
-    episodes = counted_episodes(records, thresholds, num_samples, task_ids)
+    episodes = counted_episodes(records, thresholds, group_size, task_ids)
     by_env: dict[str, list[Episode]] = collections.defaultdict(list)
     for e in episodes:
         by_env[e.env].append(e)
-    per_env = {env: compute_metrics(group, num_samples, ks) for env, group in sorted(by_env.items())}
-    overall = compute_metrics(episodes, num_samples, ks, same_scale=len(per_env) <= 1)
+    per_env = {env: compute_metrics(group, group_size, ks) for env, group in sorted(by_env.items())}
+    overall = compute_metrics(episodes, group_size, ks, same_scale=len(per_env) <= 1)
     return EvalSummary(per_env=per_env, overall=overall, episodes=episodes)
 
 

@@ -47,7 +47,7 @@ def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
     with job.open_job(config, out_dir) as run_job:
         infos, framing = run_job.infos, run_job.framing
         records = run_sync(play_all(
-            run_job.policy, run_job.pools, infos, run_job.shares, out_dir, samples_per_task=config.samples_per_task,
+            run_job.policy, run_job.pools, infos, run_job.shares, out_dir, group_size=config.group_size,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
             batch_episodes=config.batch_episodes, progress=is_writer(),
         ))

@@ -35,7 +35,7 @@ from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
 
 RUN_SPEC_NAME = "run.json"
 SCHEDULE_KEYS = (
-    "envs", "policy", "checkpoint_step", "split", "task_ids", "samples_per_task", "seed", "temperature", "horizon",
+    "envs", "policy", "checkpoint_step", "split", "task_ids", "group_size", "seed", "temperature", "horizon",
 )
 
 

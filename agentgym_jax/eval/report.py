@@ -43,7 +43,7 @@ def markdown_table(summary: EvalSummary) -> str:
     header = (
         ["env", "scheduled", "success (end-to-end)", "conditional success (scored only)", "infra rate", "mean score"]
         + [f"pass@{k}" for k in ks]
-        + [f"avg@{summary.overall.num_samples}", "invalid-action rate", "mean turns", "retries", "statuses"]
+        + [f"avg@{summary.overall.group_size}", "invalid-action rate", "mean turns", "retries", "statuses"]
     )
     rows = [*summary.per_env.items(), ("overall", summary.overall)]
 

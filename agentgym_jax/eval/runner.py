@@ -61,7 +61,7 @@ def evaluate(
     schedule: Mapping[str, Sequence[int]],
     out_dir: str | pathlib.Path,
     *,
-    samples_per_task: int,
+    group_size: int,
     horizon: int,
     seed: int,
     max_attempts: int = 1,
@@ -74,16 +74,16 @@ def evaluate(
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     thresholds = {env: info.success_threshold for env, info in infos.items()}
-    schedule_record = {"samples_per_task": samples_per_task, "thresholds": thresholds,
+    schedule_record = {"group_size": group_size, "thresholds": thresholds,
                        "task_ids": {env: list(map(int, ids)) for env, ids in schedule.items()}}
     if is_writer():
         (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
     records = run_sync(play_all(
-        policy, pools, infos, schedule if shares is None else shares, out_dir, samples_per_task=samples_per_task,
+        policy, pools, infos, schedule if shares is None else shares, out_dir, group_size=group_size,
         horizon=horizon, seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes,
         progress=progress and is_writer(),
     ))
-    summary = summarize(records, thresholds, samples_per_task, schedule)
+    summary = summarize(records, thresholds, group_size, schedule)
     if is_writer():
         write_report(summary, str(out_dir))
     return summary
@@ -100,7 +100,7 @@ def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
     out_dir = pathlib.Path(out_dir)
     schedule = json.loads((out_dir / SCHEDULE_NAME).read_text())
     records: list[Trajectory] = [t for path in trajectory_files(out_dir) for t in resume_jsonl(path)]
-    return summarize(records, schedule["thresholds"], schedule["samples_per_task"], schedule["task_ids"])
+    return summarize(records, schedule["thresholds"], schedule["group_size"], schedule["task_ids"])
 
 
 def run(config: ml_collections.ConfigDict) -> EvalSummary:
@@ -108,7 +108,7 @@ def run(config: ml_collections.ConfigDict) -> EvalSummary:
     with job.open_job(config, out_dir) as run_job:
         infos = run_job.infos
         summary = evaluate(
-            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, samples_per_task=config.samples_per_task,
+            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, group_size=config.group_size,
             horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
             batch_episodes=config.batch_episodes, shares=run_job.shares,
         )

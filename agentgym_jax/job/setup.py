@@ -41,7 +41,8 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
 from agentgym_jax.parallel.mesh import make_mesh
-from agentgym_jax.rollout.batch import TokenBatch, bucket, make_token_batch
+from agentgym_jax.rollout.batch import TokenBatch, bucket
+from agentgym_jax.rollout.rl_batch import BatchFilter, training_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.sampling.sampler import Sampler
@@ -263,20 +264,24 @@ def gather_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 
 
 def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable[[int], int],
-                       mesh: jax.sharding.Mesh, min_len: int = 64) -> TokenBatch:
-    """The update's batch of every process's `trajectories`: `[rows, seq]` with rows in process
-    order and each process's rows padded to its equal share of `padded_rows(all rows)`.
+                       mesh: jax.sharding.Mesh, rules: BatchFilter, min_len: int = 64,
+                       ) -> tuple[TokenBatch, dict[str, float]]:
+    """The update's batch of every process's `trajectories` (untrained rows masked by `rules`,
+    `rollout/rl_batch.py`) and its counts summed over processes: `[rows, seq]` with rows in
+    process order and each process's rows padded to its equal share of `padded_rows(all rows)`.
 
     On one process it is the host batch (the jitted step places it); on several, global arrays
-    (group ids made unique across processes). The sequence bucket is the longest of all.
+    (group ids made unique across processes; whole groups stay on one process, so the masking is
+    local). The sequence bucket is the longest of all.
     """
     n = jax.process_count()
     longest = max(distributed.gather_objects(max(len(t.token_ids) for t in trajectories)))
     rows = padded_rows(len(trajectories) * n)
     if rows % n:
         raise ValueError(f"{rows} padded rows do not split over {n} processes")
-    batch = make_token_batch(trajectories, seq_len=bucket(longest, min_len), batch_size=rows // n)
+    batch, counts = training_batch(trajectories, rules, seq_len=bucket(longest, min_len), batch_size=rows // n)
     if n == 1:
-        return batch
+        return batch, counts
+    counts = {k: sum(c[k] for c in distributed.gather_objects(counts)) for k in counts}
     batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * (rows // n))  # dense ids < rows // n
-    return distributed.rows_from_processes(batch, partition.batch_sharding(mesh))
+    return distributed.rows_from_processes(batch, partition.batch_sharding(mesh)), counts

@@ -86,29 +86,54 @@ def rloo(
     return advantages, advantages
 
 
+# How `gamma` (and GAE's `lam`) discount: once per policy token, or once per turn (the step of
+# the environment's MDP: within a turn the factors are 1, between a turn's last token and the
+# next turn's first they are gamma and lam).
+DISCOUNTS = ("token", "turn")
+
+
+def turn_ends(loss_mask: jax.Array) -> jax.Array:
+    """`[batch, seq]` bool: the last policy token of each turn (a policy token followed by a
+    non-policy token or the end of the row), where a turn's reward sits."""
+    mask = jnp.asarray(loss_mask, bool)
+    return mask & ~jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+
+
+def _discount_factors(loss_mask: jax.Array, discount: str, **factors: float) -> list[jax.Array]:
+    """Per token `[batch, seq]` each factor: everywhere (token) or at turn ends, else 1 (turn)."""
+    if discount not in DISCOUNTS:
+        raise ValueError(f"unknown discount {discount!r}; valid: {', '.join(DISCOUNTS)}")
+    at = jnp.ones(loss_mask.shape, bool) if discount == "token" else turn_ends(loss_mask)
+    return [jnp.where(at, value, 1.0) for value in factors.values()]
+
+
 def reinforce_plus_plus(
     token_rewards: jax.Array,  # [batch, seq]
     loss_mask: jax.Array,  # [batch, seq]
     *,
     gamma: float = 1.0,
+    discount: str = "token",
     epsilon: float = 1e-8,
 ) -> tuple[jax.Array, jax.Array]:
     """REINFORCE++: return-to-go over policy tokens, whitened over the batch's policy tokens.
 
-    `G_t = r_t + gamma * G_next` on a policy token, where G_next is the return of the next policy
-    token (environment tokens pass it through undiscounted); then `masked_whiten(G)`. A KL penalty
-    in the reward is the caller's (`kl.apply_kl_penalty` before this).
+    `G_t = r_t + g_t * G_next` on a policy token, where G_next is the return of the next policy
+    token (environment tokens pass it through undiscounted) and `g_t` is gamma on every token
+    (`discount="token"`) or only on a turn's last token (`"turn"`); then `masked_whiten(G)`.
+    Per-turn rewards sit on their turn's last token. A KL penalty in the reward is the caller's
+    (`kl.apply_kl_penalty` before this).
     """
     check_same_shape(token_rewards=token_rewards, loss_mask=loss_mask)
     check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma)
+    [gammas] = _discount_factors(loss_mask, discount, gamma=gamma)
 
     def step(running_return, inputs):  # [batch]
-        reward, mask = inputs
-        running_return = jnp.where(mask, reward + gamma * running_return, running_return)
+        reward, mask, g = inputs
+        running_return = jnp.where(mask, reward + g * running_return, running_return)
         return running_return, jnp.where(mask, running_return, 0.0)
 
     init = jnp.zeros(token_rewards.shape[:1], _float_dtype(token_rewards))
-    returns = _reverse_scan_over_seq(step, init, token_rewards, loss_mask)
+    returns = _reverse_scan_over_seq(step, init, token_rewards, loss_mask, gammas)
     return masked_whiten(returns, loss_mask, epsilon), returns
 
 
@@ -119,29 +144,33 @@ def gae(
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
+    discount: str = "token",
     whiten: bool = True,
     epsilon: float = 1e-8,
 ) -> tuple[jax.Array, jax.Array]:
     """GAE over the policy tokens of multi-turn episodes.
 
     On policy token t with next policy token t' (none after the last one: value 0, advantage 0):
-    `delta_t = r_t + gamma * V_t' - V_t` and `A_t = delta_t + gamma * lam * A_t'`. Environment
-    tokens are skipped, so the last token of turn k bootstraps from the first token of turn k+1.
+    `delta_t = r_t + g_t * V_t' - V_t` and `A_t = delta_t + g_t * l_t * A_t'`, with `(g_t, l_t)`
+    `(gamma, lam)` on every token (`discount="token"`) or only on a turn's last token and (1, 1)
+    inside a turn (`"turn"`). Environment tokens are skipped, so the last token of turn k
+    bootstraps from the first token of turn k+1; per-turn rewards sit on their turn's last token.
     Returns `(A, A + V)` on policy tokens; `whiten=True` (verl's default) whitens A over the batch
     after the returns are formed.
     """
     check_same_shape(token_rewards=token_rewards, values=values, loss_mask=loss_mask)
     check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma, lam=lam)
+    gammas, lams = _discount_factors(loss_mask, discount, gamma=gamma, lam=lam)
 
     def step(carry, inputs):  # carry: value and advantage of the next policy token, [batch] each
         next_value, next_advantage = carry
-        reward, value, mask = inputs
-        advantage = reward + gamma * next_value - value + gamma * lam * next_advantage
+        reward, value, mask, g, l = inputs
+        advantage = reward + g * next_value - value + g * l * next_advantage
         carry = (jnp.where(mask, value, next_value), jnp.where(mask, advantage, next_advantage))
         return carry, jnp.where(mask, advantage, 0.0)
 
     zeros = jnp.zeros(token_rewards.shape[:1], _float_dtype(token_rewards))
-    advantages = _reverse_scan_over_seq(step, (zeros, zeros), token_rewards, values, loss_mask)
+    advantages = _reverse_scan_over_seq(step, (zeros, zeros), token_rewards, values, loss_mask, gammas, lams)
     returns = jnp.where(loss_mask, advantages + values, 0.0)
     if whiten:
         advantages = masked_whiten(advantages, loss_mask, epsilon)
@@ -187,13 +216,20 @@ def compute_advantages(
     )
     params = inspect.signature(fn).parameters.values()
     inputs = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    valid_hparams = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    valid_hparams -= set(getattr(fn, "keywords", {}))  # fixed by a functools.partial
+    valid_hparams = estimator_hparams(estimator)
     if unknown := sorted(set(hparams) - valid_hparams):
         raise ValueError(f"{estimator} takes no {unknown}; valid: {sorted(valid_hparams)}")
     if missing := [name for name in inputs if available[name] is None]:
         raise ValueError(f"{estimator} needs {', '.join(missing)}")
     return fn(*(available[name] for name in inputs), **hparams)
+
+
+def estimator_hparams(estimator: str) -> set[str]:
+    """The hyper-parameter names `compute_advantages(estimator, ...)` accepts."""
+    fn = ADVANTAGE_ESTIMATORS[estimator]
+    params = inspect.signature(fn).parameters.values()
+    names = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return names - set(getattr(fn, "keywords", {}))  # minus those fixed by a functools.partial
 
 
 def _group_centered(

@@ -77,10 +77,11 @@ def kl_loss(
     *,
     estimator: str,
     agg_mode: str,
+    norm_length: float | None = None,
 ) -> jax.Array:
     """KL to the reference as a scalar loss term (added with weight `kl_coef` by the caller)."""
     kl = kl_divergence(logprobs, ref_logprobs, loss_mask, estimator)
-    return aggregate_loss(kl, loss_mask, agg_mode)
+    return aggregate_loss(kl, loss_mask, agg_mode, norm_length)
 
 
 def apply_kl_penalty(

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 from agentgym_jax.rl.kl import kl_divergence
 from agentgym_jax.rl.masked import aggregate_loss, check_hparams, check_same_shape, masked_mean
 
+# Where the PPO ratio is formed: per token (PPO, DAPO) or per sequence (GSPO).
+RATIO_LEVELS = ("token", "sequence")
+
 
 def ppo_policy_loss(
     logprobs: jax.Array,  # [batch, seq] current policy, differentiated
@@ -26,12 +29,18 @@ def ppo_policy_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
+    token_weights: jax.Array | None = None,  # [batch, seq]
+    ratio_level: str = "token",
+    norm_length: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`, r = pi / pi_old.
 
     `clip_eps_high` defaults to `clip_eps_low` (set it higher for DAPO's clip-higher). With
     `dual_clip_c = c > 1` (dual-clip PPO), the loss of a token with A < 0 is also capped at `-c A`,
-    so a huge ratio on a bad action cannot dominate the batch.
+    so a huge ratio on a bad action cannot dominate the batch. `ratio_level="sequence"` is GSPO:
+    every token of a row takes the row's ratio `exp(mean_t (log pi - log pi_old))`, clipped as a
+    whole. `token_weights` (constants, e.g. importance weights of an off-policy correction)
+    multiply each token's loss.
     Metrics: `clip_fraction` (tokens where the clipped term is the active one), `dual_clip_fraction`
     (tokens capped by the dual clip), `approx_kl` (k3 estimate of KL(pi_old || pi)).
     """
@@ -41,8 +50,13 @@ def ppo_policy_loss(
     clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     check_hparams(lambda v: v >= 0, ">= 0", clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
     check_hparams(lambda v: v > 1, "> 1", dual_clip_c=dual_clip_c)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
 
     log_ratio = jnp.where(loss_mask, logprobs - old_logprobs, 0.0)
+    if ratio_level == "sequence":  # GSPO: the length-normalised sequence likelihood ratio
+        seq_log_ratio = masked_mean(log_ratio, loss_mask, axis=-1)  # [batch]
+        log_ratio = jnp.where(loss_mask, seq_log_ratio[:, None], 0.0)
     ratio = jnp.exp(log_ratio)
     advantages = jnp.where(loss_mask, advantages, 0.0)
     unclipped = -advantages * ratio
@@ -53,13 +67,15 @@ def ppo_policy_loss(
         cap = -advantages * dual_clip_c
         dual_clipped = (advantages < 0) & (loss > cap)
         loss = jnp.where(dual_clipped, cap, loss)
+    if token_weights is not None:
+        loss = loss * jax.lax.stop_gradient(jnp.where(loss_mask, token_weights, 0.0))
 
     metrics = {
         "clip_fraction": masked_mean(clipped > unclipped, loss_mask),
         "dual_clip_fraction": masked_mean(dual_clipped, loss_mask),
         "approx_kl": masked_mean(kl_divergence(old_logprobs, logprobs, loss_mask, "k3"), loss_mask),
     }
-    return aggregate_loss(loss, loss_mask, agg_mode), metrics
+    return aggregate_loss(loss, loss_mask, agg_mode, norm_length), metrics
 
 
 def value_loss(
@@ -70,6 +86,7 @@ def value_loss(
     *,
     agg_mode: str,
     clip_eps_value: float = 0.5,
+    norm_length: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped value loss (PPO2 / verl): `0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`.
 
@@ -83,7 +100,7 @@ def value_loss(
     clipped_values = jnp.clip(values, old_values - clip_eps_value, old_values + clip_eps_value)
     unclipped_error = jnp.square(values - returns)
     clipped_error = jnp.square(clipped_values - returns)
-    loss = 0.5 * aggregate_loss(jnp.maximum(unclipped_error, clipped_error), loss_mask, agg_mode)
+    loss = 0.5 * aggregate_loss(jnp.maximum(unclipped_error, clipped_error), loss_mask, agg_mode, norm_length)
     return loss, {"value_clip_fraction": masked_mean(clipped_error > unclipped_error, loss_mask)}
 
 
@@ -98,9 +115,10 @@ def entropy_bonus(
     loss_mask: jax.Array,  # [batch, seq]
     *,
     agg_mode: str,
+    norm_length: float | None = None,
 ) -> jax.Array:
     """Policy entropy over policy tokens; the caller subtracts `entropy_coef * entropy_bonus`."""
     if logits.shape[:-1] != loss_mask.shape:
         raise ValueError(f"logits {logits.shape} must be loss_mask {loss_mask.shape} + [vocab]")
     logits = jnp.where(loss_mask[..., None], logits, 0.0)  # padding garbage never reaches the grad
-    return aggregate_loss(entropy_from_logits(logits), loss_mask, agg_mode)
+    return aggregate_loss(entropy_from_logits(logits), loss_mask, agg_mode, norm_length)

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 #   token-mean           sum of all policy-token losses / number of policy tokens in the batch
 #   seq-mean-token-sum   mean over sequences of each sequence's summed policy-token loss
 #   seq-mean-token-mean  mean over sequences of each sequence's mean policy-token loss
+#   seq-mean-token-sum-norm  mean over sequences of each sequence's summed loss / `norm_length`,
+#                        a constant (the generation budget): Dr. GRPO's length-unbiased normaliser
 # The seq-mean modes average over sequences with at least one policy token: an all-masked row
 # (padding, or an episode the policy never acted in) contributes nothing and does not count in the
 # denominator. With no policy token in the whole batch every mode returns 0.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def masked_sum(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
@@ -51,11 +53,18 @@ def masked_whiten(x: jax.Array, mask: jax.Array, epsilon: float = 1e-8) -> jax.A
     return jnp.where(mask, whitened, 0.0)
 
 
-def aggregate_loss(loss: jax.Array, mask: jax.Array, agg_mode: str) -> jax.Array:
-    """Reduces a per-token loss `[batch, seq]` to a scalar with one of `LOSS_AGG_MODES`."""
+def aggregate_loss(loss: jax.Array, mask: jax.Array, agg_mode: str, norm_length: float | None = None) -> jax.Array:
+    """Reduces a per-token loss `[batch, seq]` to a scalar with one of `LOSS_AGG_MODES`.
+
+    `norm_length` is the constant of "seq-mean-token-sum-norm" (required there, unused elsewhere).
+    """
     if agg_mode == "token-mean":
         return masked_mean(loss, mask)
-    if agg_mode == "seq-mean-token-sum":
+    if agg_mode == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(f"agg_mode {agg_mode!r} needs a norm_length > 0, got {norm_length}")
+        per_seq = masked_sum(loss, mask, axis=-1) / norm_length  # [batch]
+    elif agg_mode == "seq-mean-token-sum":
         per_seq = masked_sum(loss, mask, axis=-1)  # [batch]
     elif agg_mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss, mask, axis=-1)  # [batch]

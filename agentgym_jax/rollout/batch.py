@@ -1,8 +1,12 @@
 """Trajectories -> the padded token-level arrays the update step consumes.
 
-Arrays are aligned with tokens: entry t describes token t. The outcome reward sits on the last
-policy token of each trajectory (never on an environment token, where masked estimators would
-lose it). Shapes are padded to buckets so the jitted update compiles once per bucket.
+Arrays are aligned with tokens: entry t describes token t. Each turn's reward (the environment's
+reward for the action of that turn) sits on the turn's last policy token, so the outcome reward
+of a sparse-reward episode sits on its last policy token (never on an environment token, where
+masked estimators would lose it); whatever of `reward` the turn rewards do not account for (a
+record with an outcome only, a shaping penalty) is added on the last policy token, so a row's
+policy-token rewards always sum to `scores`, the episode return. Shapes are padded to buckets so
+the jitted update compiles once per bucket.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ class TokenBatch:
     positions: jax.Array  # [batch, seq] int32; -1 on padding
     loss_mask: jax.Array  # [batch, seq] float32; 1 on policy-sampled tokens
     old_logprobs: jax.Array  # [batch, seq] float32; sampler log-probs on policy tokens
-    token_rewards: jax.Array  # [batch, seq] float32; outcome reward on the last policy token
+    token_rewards: jax.Array  # [batch, seq] float32; each turn's reward on its last policy token
     group_ids: jax.Array  # [batch] int32; rows of padding get their own unused group
-    scores: jax.Array  # [batch] float32; the outcome reward per row
+    scores: jax.Array  # [batch] float32; the episode return (sum of turn rewards) per row
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,9 +80,12 @@ def make_token_batch(
         positions[row, :n] = np.arange(n)
         loss_mask[row, :n] = t.loss_mask
         old_logprobs[row, :n] = t.logprobs
-        last = t.last_policy_index
-        if last >= 0:
-            token_rewards[row, last] = t.reward
+        placed = 0.0
+        for (_, end), reward in zip(t.turn_spans, t.turn_rewards):  # a last turn never stepped has none
+            token_rewards[row, end - 1] += reward
+            placed += reward
+        if t.last_policy_index >= 0:  # the rest (outcome-only records, shaping) on the last policy token
+            token_rewards[row, t.last_policy_index] += t.reward - placed
         scores[row] = t.reward
         group_ids[row] = dense.setdefault(t.group_id, len(dense))
     for row in range(len(trajectories), batch_size):

@@ -4,7 +4,7 @@ The shared core of `mode=collect` (datasets) and `mode=eval` (evaluation runs):
 
     policy = OraclePolicy(framing)                        # or ModelPolicy(sampler, framing, params, rollout)
     async with EnvPool(urls) as pool:
-        records = await collect(policy, pool, info, task_ids, samples_per_task=4, horizon=20,
+        records = await collect(policy, pool, info, task_ids, group_size=4, horizon=20,
                                 seed=0, path="out/trajectories.jsonl")
 
 Episodes are played in batches of `batch_episodes`; each finished batch is appended to the JSONL
@@ -58,7 +58,7 @@ class OraclePolicy:
     async def play(self, pool, info, task_ids, horizon, rng):
         del rng  # the oracle is deterministic
         return await play_demonstrations(
-            pool, self.framing, info, task_ids, max_turns=horizon, action_format=self.action_format
+            pool, self.framing, info, task_ids, horizon=horizon, action_format=self.action_format
         )
 
 
@@ -105,7 +105,7 @@ async def collect(
     info: TaskInfo,
     task_ids: Sequence[int],
     *,
-    samples_per_task: int,
+    group_size: int,
     horizon: int,
     seed: int,
     path: str | os.PathLike,
@@ -115,15 +115,15 @@ async def collect(
 ) -> list[Trajectory]:
     """Plays every (task, sample) of `info.env` without a record in `path`; returns the env's
     records (earlier and new, every attempt). `pool` must be open."""
-    if samples_per_task < 1 or batch_episodes < 1 or max_attempts < 1 or horizon < 1:
+    if group_size < 1 or batch_episodes < 1 or max_attempts < 1 or horizon < 1:
         raise ValueError(
-            f"samples_per_task ({samples_per_task}), batch_episodes ({batch_episodes}), "
+            f"group_size ({group_size}), batch_episodes ({batch_episodes}), "
             f"max_attempts ({max_attempts}) and horizon ({horizon}) must be >= 1"
         )
     records = [t for t in resume_jsonl(path) if t.env == info.env]
     done = last_attempts(records, info.env)
     todo: list[Slot] = [
-        (int(task), s, 0) for task in task_ids for s in range(samples_per_task) if (task, s) not in done
+        (int(task), s, 0) for task in task_ids for s in range(group_size) if (task, s) not in done
     ]
     todo += [
         (t.task_id, t.sample_idx, t.attempt + 1)

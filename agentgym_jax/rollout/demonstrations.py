@@ -55,7 +55,7 @@ def demonstration_trajectory(
 
 
 async def play_oracle_episodes(
-    pool: EnvPool, task_ids: Sequence[int], *, max_turns: int = 100, action_format: str = ACTION_ONLY
+    pool: EnvPool, task_ids: Sequence[int], *, horizon: int = 100, action_format: str = ACTION_ONLY
 ) -> list[Episode]:
     """Plays every task with the oracle, concurrently, on an open pool; the raw transcripts.
 
@@ -68,7 +68,7 @@ async def play_oracle_episodes(
         del observation
         return action_format.format(action=await pool.oracle_action(slot))
 
-    return list(await asyncio.gather(*(pool.run_episode(int(t), policy, max_turns) for t in task_ids)))
+    return list(await asyncio.gather(*(pool.run_episode(int(t), policy, horizon) for t in task_ids)))
 
 
 async def play_demonstrations(
@@ -77,13 +77,13 @@ async def play_demonstrations(
     task_info: TaskInfo,
     task_ids: Sequence[int],
     *,
-    max_turns: int = 100,
+    horizon: int = 100,
     prompt_style: PromptStyle | str = PromptStyle.SHORT,
     action_format: str = ACTION_ONLY,
     group_offset: int = 0,
 ) -> list[Trajectory]:
     """`play_oracle_episodes`, each turned into a token-exact trajectory (one per task)."""
-    episodes = await play_oracle_episodes(pool, task_ids, max_turns=max_turns, action_format=action_format)
+    episodes = await play_oracle_episodes(pool, task_ids, horizon=horizon, action_format=action_format)
     return [
         demonstration_trajectory(framing, task_info, ep, group_id=group_offset + i, prompt_style=prompt_style)
         for i, ep in enumerate(episodes)

@@ -97,6 +97,7 @@ class RolloutConfig:
                 "top_k": self.top_k,
                 "top_p": self.top_p,
                 "eot_ids": framing.end_of_turn_ids,
+                "return_raw_logprobs": True,  # what trajectories store: see `_sample_turn`
                 **overrides,
             }
         )
@@ -157,6 +158,9 @@ class RolloutEngine:
                 f"the sampler must stop on the framing's end-of-turn ids {sorted(eot)}, "
                 f"it stops on {list(sampler.config.eot_ids)}; build it with config.sampling_config(framing)"
             )
+        if not sampler.config.return_raw_logprobs:
+            raise ValueError("the sampler must return raw log-probs (what trajectories store); "
+                             "build it with config.sampling_config(framing)")
         if config.max_tokens_per_turn > sampler.config.max_new_tokens:
             raise ValueError(
                 f"max_tokens_per_turn={config.max_tokens_per_turn} exceeds the sampler's "
@@ -376,7 +380,8 @@ class _Rollout:
                 ep.transcript.add_observation(ids=ep.pending)
                 ep.pending = ()
             ids = turn.tokens[row, :count]
-            ep.transcript.add_policy_turn(ids, turn.logprobs[row, :count])
+            # Unfiltered log-probs at the sampling temperature: the policy the trainer recomputes.
+            ep.transcript.add_policy_turn(ids, turn.raw_logprobs[row, :count])
             stop = StopReason(int(turn.stop[row]))
             if stop is StopReason.CACHE_FULL or (
                 stop is StopReason.TOKEN_LIMIT and ep.transcript.response_len >= budget

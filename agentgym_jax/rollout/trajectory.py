@@ -24,9 +24,9 @@ class Trajectory:
     group_id: int  # the n samples of one task in one batch share a group id
     token_ids: list[int]
     loss_mask: list[int]  # 1 on policy-sampled ids, 0 on prompt, template and environment ids
-    logprobs: list[float]  # sampler log-probs on policy ids, 0.0 elsewhere
+    logprobs: list[float]  # sampler log-probs on policy ids (unfiltered, at the sampling temperature), 0.0 elsewhere
     turn_spans: list[tuple[int, int]]  # [start, end) of each policy turn in token_ids
-    turn_rewards: list[float]  # environment reward after each turn
+    turn_rewards: list[float]  # environment reward after each turn (none for a last turn never sent)
     reward: float  # outcome reward of the episode
     status: EpisodeStatus
     invalid_actions: int = 0
@@ -45,6 +45,10 @@ class Trajectory:
                 f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs "
                 f"({len(self.logprobs)}) must have the same length"
             )
+        if any(not 0 <= start < end <= n for start, end in self.turn_spans):
+            raise ValueError(f"a turn span of {self.turn_spans} lies outside the {n} token ids")
+        if len(self.turn_rewards) > len(self.turn_spans):  # the last turn may never have been stepped
+            raise ValueError(f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_spans)} turns")
 
     @property
     def num_turns(self) -> int:

@@ -19,7 +19,7 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 -> off
     eot_ids: tuple[int, ...] = ()  # end-of-turn ids: a row stops after sampling any of them
     pad_id: int = 0  # written into output slots after a row stopped
-    return_raw_logprobs: bool = False  # also return log-probs at temperature 1, unfiltered
+    return_raw_logprobs: bool = False  # also return log-probs at the temperature, unfiltered
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -2,9 +2,10 @@
 
 Log-probabilities returned with a sample are taken under the distribution the token was actually
 drawn from: `log_softmax(filter_logits(logits))` (after temperature, top-k and top-p). That is the
-behaviour policy an off-policy correction needs. Greedy decoding is a point mass, so its
-log-probability is 0. The raw log-probs (temperature 1, nothing filtered) are the policy's own
-distribution, which the trainer recomputes and compares with.
+behaviour policy of the filtered sampler. Greedy decoding is a point mass, so its log-probability
+is 0. The raw log-probs (at the sampling temperature, nothing filtered; temperature 1 when greedy)
+are the policy the trainer recomputes (`train/steps.token_logprobs` divides its logits by the same
+temperature), so their difference measures only the sampler-vs-trainer mismatch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from agentgym_jax.sampling.config import SamplingConfig
 class Sample(NamedTuple):
     tokens: jax.Array  # [batch] int32
     logprobs: jax.Array  # [batch] float32, under the sampling distribution
-    raw_logprobs: jax.Array  # [batch] float32, log_softmax(logits) at temperature 1
+    raw_logprobs: jax.Array  # [batch] float32, log_softmax(logits / temperature), unfiltered
 
 
 def filter_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
@@ -52,7 +53,8 @@ def _take(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def sample(rng: jax.Array, logits: jax.Array, config: SamplingConfig) -> Sample:
     """One token per row from `logits [batch, vocab]`, with its log-probabilities."""
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    scale = 1.0 if config.greedy else config.temperature
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
     if config.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return Sample(tokens, jnp.zeros(tokens.shape, jnp.float32), _take(raw, tokens))

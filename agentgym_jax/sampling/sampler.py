@@ -69,7 +69,7 @@ class TurnOutput(NamedTuple):
     tokens: np.ndarray  # [rows, max_new_tokens] int32; pad_id after `count`
     count: np.ndarray  # [rows] int32: tokens sampled (an end-of-turn id included)
     logprobs: np.ndarray  # [rows, max_new_tokens] float32 under the sampling distribution; 0 after count
-    raw_logprobs: np.ndarray | None  # same at temperature 1 unfiltered (if asked for)
+    raw_logprobs: np.ndarray | None  # same at the temperature, unfiltered (if asked for)
     stop: np.ndarray  # [rows] int32 StopReason
 
 

@@ -2,7 +2,7 @@
 
 Iteration 0 is behaviour cloning on the base demonstrations (oracle episodes of `sft.num_tasks`
 training tasks). Each iteration i >= 1 explores: the policy of iteration i - 1 plays
-`agentevol.samples_per_task` episodes of every exploration task (`agentevol.explore_tasks`
+`agentevol.group_size` episodes of every exploration task (`agentevol.explore_tasks`
 training tasks, a superset of the demonstration tasks) at `agentevol.temperature`; the episodes
 whose reward reaches the environment's success threshold are kept, merged with the base
 demonstrations and deduplicated by (task, token sequence); the policy is trained on that set,
@@ -69,9 +69,9 @@ def merge_dedup(base: Sequence[Trajectory], explored: Sequence[Trajectory]) -> l
 
 def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
     evol = config.agentevol
-    if evol.iterations < 0 or evol.samples_per_task < 1 or evol.epochs < 0:
+    if evol.iterations < 0 or evol.group_size < 1 or evol.epochs < 0:
         raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
-                         f"samples_per_task ({evol.samples_per_task}) >= 1")
+                         f"group_size ({evol.group_size}) >= 1")
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
@@ -103,7 +103,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         ))
         explore_engine = stack.enter_context(setup.make_engine(
             config, model, framing, job.urls, info,
-            setup.rollout_config(config, temperature=evol.temperature, group_size=evol.samples_per_task),
+            setup.rollout_config(config, temperature=evol.temperature, group_size=evol.group_size),
         ))
         sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
 

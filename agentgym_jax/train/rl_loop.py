@@ -30,10 +30,11 @@ from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train.jobs import (
-    episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch, update_config,
+    batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
+    rollout_metrics, task_batch, update_config,
 )
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
-from agentgym_jax.train.sft import sft_train
+from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
@@ -51,13 +52,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
         model = setup.model_config(config, len(framing.tokenizer))
         setup.write_model_config(workdir, model)
-        updates = update_config(config, model)
+        updates = update_config(config, model, temperature=rl_temperature(config))
         rng = jax.random.PRNGKey(config.seed)
-        params = setup.initial_params(config, model, mesh, rng, value_head=updates.uses_critic)
-        state = TrainState.create(params, make_optimizer(optim_config(config.optim, config.train.steps)), jax.random.PRNGKey(config.seed + 2))
+        params = setup.initial_params(config, model, mesh, rng, value_head=updates.shared_value_head)
+        rl_tx = make_optimizer(rl_optim_config(config, updates.updates_per_step))  # schedule in optimizer updates
+        state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2))
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
-        step_fns = make_step_fns(updates, mesh, state_shardings)
+        critic = critic_states(config, updates, mesh, params)  # [] or [PPO's separate critic]
+        step_fns = make_step_fns(updates, mesh, state_shardings, *(train_state_shardings(c, mesh) for c in critic))
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         eval_engine = stack.enter_context(setup.make_engine(
             config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
@@ -66,7 +69,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
 
         if resuming:
-            (state, ref_params), meta = ckpt.restore((state, params))
+            (state, ref_params, *critic), meta = ckpt.restore((state, params, *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -76,10 +79,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                                              for i, ep in enumerate(episodes)])
                 if is_writer():
                     write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
-                sft_tx = make_optimizer(optim_config(config.optim, config.train.steps, lr=config.sft.lr))
+                successes = [d for d in demos if d.success]
+                sft_updates = sft_num_updates(len(successes), config.sft.batch_size, config.sft.epochs)
+                sft_tx = make_optimizer(optim_config(config.optim, sft_updates, lr=config.sft.lr))
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
                 sft_state, history = sft_train(
-                    sft_state, [d for d in demos if d.success], updates,
+                    sft_state, successes, updates,
                     batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
                     progress=is_writer(),
                 )
@@ -87,8 +92,10 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 state = state.replace(params=sft_state.params, opt_state=fresh_opt(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+            if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
+                critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
             meta["eval_before"] = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
-            ckpt.save(0, (state, ref_params), meta, force=True)
+            ckpt.save(0, (state, ref_params, *critic), meta, force=True)
 
         trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
         truncate_jsonl(trajectories_path, before_version=meta["rl_step"])  # the steps after it are replayed
@@ -104,15 +111,19 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             )
             rollout_s = time.time() - t0
             write_jsonl(trajectories_path, trajectories)
-            batch = setup.global_token_batch(trajectories, step_fns.padded_rows, mesh)  # empty rows: rows divide over the mesh
+            batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
+                trajectories, step_fns.padded_rows, mesh, batch_filter(config))  # empty rows: rows divide over the mesh
             t1 = time.time()
-            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch)
+            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch, *(c.params for c in critic))
             state, update_metrics = step_fns.rl_update(state, rl_batch)
+            if critic:
+                critic[0], critic_metrics = step_fns.critic_update(critic[0], rl_batch)
+                update_metrics = {**update_metrics, **critic_metrics}
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             metrics = {
-                **rollout_metrics(trajectories, all_processes=True), **jax.device_get(prep_metrics), **update_metrics,
+                **rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics), **update_metrics,
                 "horizon": horizon, "stage": schedule.stage(step), "rollout_s": rollout_s, "update_s": update_s,
                 "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
                 "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
@@ -120,7 +131,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             logger.log(step + 1, metrics)
             meta = {**meta, "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
                     "stage": schedule.stage(step + 1)}
-            ckpt.save(step + 1, (state, ref_params), meta, force=step + 1 == config.train.steps)
+            ckpt.save(step + 1, (state, ref_params, *critic), meta, force=step + 1 == config.train.steps)
         logger.close()
 
         after = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)

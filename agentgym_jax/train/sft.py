@@ -21,6 +21,11 @@ from agentgym_jax.train.state import TrainState
 from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
 
 
+def sft_num_updates(num_trajectories: int, batch_size: int, epochs: int) -> int:
+    """Optimizer updates of `sft_train` (what its learning-rate schedule should span)."""
+    return epochs * -(-num_trajectories // batch_size)
+
+
 def sft_train(
     state: TrainState,
     trajectories: Sequence[Trajectory],
@@ -51,8 +56,7 @@ def sft_train(
     seq_len = bucket(max(len(t.token_ids) for t in trajectories))
     rng = np.random.default_rng(seed)
     history = []
-    num_batches = -(-len(trajectories) // batch_size)
-    with tqdm.tqdm(total=epochs * num_batches, desc="sft", disable=not progress) as bar:
+    with tqdm.tqdm(total=sft_num_updates(len(trajectories), batch_size, epochs), desc="sft", disable=not progress) as bar:
         for _ in range(epochs):
             order = rng.permutation(len(trajectories))
             for start in range(0, len(order), batch_size):

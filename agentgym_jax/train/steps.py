@@ -32,48 +32,134 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import forward, value_head
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
-from agentgym_jax.rl.advantages import compute_advantages
-from agentgym_jax.rl.kl import apply_kl_penalty, kl_loss
+from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, DISCOUNTS, compute_advantages, estimator_hparams
+from agentgym_jax.rl.correction import IS_LEVELS, importance_weights
+from agentgym_jax.rl.kl import KL_ESTIMATORS, apply_kl_penalty, kl_loss
 from agentgym_jax.rl.losses import entropy_from_logits, ppo_policy_loss, value_loss
-from agentgym_jax.rl.masked import aggregate_loss, masked_count, masked_mean
+from agentgym_jax.rl.masked import LOSS_AGG_MODES, aggregate_loss, masked_count, masked_mean
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
 
 
+# The policy-gradient surrogates `rl_loss` can use: PPO's per-token ratio, GSPO's per-sequence one.
+POLICY_LOSSES = {"ppo": "token", "gspo": "sequence"}
+# Off-policy corrections of trainer vs sampler log-probs (`rl/correction.py`): none, truncated IS.
+IS_CORRECTIONS = ("none", *IS_LEVELS)
+# GAE's value model: a head on the policy's trunk (one optimizer), or a separate model with its
+# own parameters and optimizer (a second TrainState; verl's default).
+CRITICS = ("shared", "separate")
+# Advantage hyper-parameters that are fields of `UpdateConfig` (config keys `algo.<name>`).
+_ADVANTAGE_FIELDS = ("gamma", "lam", "discount")
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps."""
+    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps.
+
+    A bad value raises `ValueError` naming the field, the value and the valid ones.
+    """
 
     model: ModelConfig
     advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
-    advantage_hparams: tuple[tuple[str, float], ...] = ()  # e.g. (("gamma", 1.0), ("lam", 0.95))
+    advantage_hparams: tuple[tuple[str, float], ...] = ()  # others of the estimator, e.g. (("epsilon", 1e-6),)
+    gamma: float = 1.0  # discount of REINFORCE++ and GAE
+    lam: float = 1.0  # GAE's lambda
+    discount: str = "token"  # gamma and lam per policy token or per turn (rl.advantages.DISCOUNTS)
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
+    policy_loss: str = "ppo"  # a key of POLICY_LOSSES
     clip_eps_low: float = 0.2
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = None  # None: clip_eps_low; higher: DAPO's clip-higher
     dual_clip_c: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
     kl_in_reward: bool = False  # False: KL is a loss term (GRPO); True: a reward penalty (PPO)
     entropy_coef: float = 0.0
-    vf_coef: float = 0.5
+    vf_coef: float = 0.5  # weight of the value loss in the shared-trunk loss
     clip_eps_value: float = 0.5
+    critic: str = "shared"  # one of CRITICS (used by gae only)
+    critic_model: ModelConfig | None = None  # the separate critic's architecture; None: the policy's
     agg_mode: str = "token-mean"
+    loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
+    temperature: float = 1.0  # the sampling temperature: RL log-probs are of logits / temperature
+    is_correction: str = "none"  # truncated importance sampling: one of IS_CORRECTIONS
+    decoupled_ppo: bool = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
+    is_cap: float = 2.0  # truncation (TIS) or drop (decoupled PPO) threshold of the weights
     compute_dtype: str | None = None  # None: the parameters' dtype
     remat: bool = False
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
+
+    def __post_init__(self):
+        def one_of(name: str, valid) -> None:
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(map(str, valid))}")
+
+        def at_least(bound: float, strict: bool, **values) -> None:
+            for name, value in values.items():
+                if value is not None and (value < bound or (strict and value == bound)):
+                    raise ValueError(f"{name} must be {'>' if strict else '>='} {bound}, got {value}")
+
+        one_of("advantage", ADVANTAGE_ESTIMATORS)
+        one_of("discount", DISCOUNTS)
+        one_of("policy_loss", POLICY_LOSSES)
+        one_of("kl_estimator", KL_ESTIMATORS)
+        one_of("agg_mode", LOSS_AGG_MODES)
+        one_of("is_correction", IS_CORRECTIONS)
+        one_of("critic", CRITICS)
+        at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
+                 num_microbatches=self.num_microbatches)
+        at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                 kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
+        at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length)
+        at_least(1, True, dual_clip_c=self.dual_clip_c)
+        for name, value in (("gamma", self.gamma), ("lam", self.lam)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
+        if self.decoupled_ppo and self.is_correction != "none":
+            raise ValueError(f"decoupled_ppo weights the loss already; is_correction must be 'none', got {self.is_correction!r}")
+        given = dict(self.advantage_hparams)
+        if doubled := sorted(set(given) & set(_ADVANTAGE_FIELDS)):
+            raise ValueError(f"advantage_hparams sets {doubled}: they are UpdateConfig fields (algo.<name>)")
+        if unknown := sorted(set(given) - estimator_hparams(self.advantage)):
+            raise ValueError(f"{self.advantage} takes no {unknown}; valid: {sorted(estimator_hparams(self.advantage))}")
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
 
     @property
+    def shared_value_head(self) -> bool:
+        """The policy params carry the value head and `rl_loss` trains it."""
+        return self.uses_critic and self.critic == "shared"
+
+    @property
+    def separate_critic(self) -> bool:
+        """Values come from a separate critic model trained by `critic_update`."""
+        return self.uses_critic and self.critic == "separate"
+
+    @property
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of one `rl_update`: what learning-rate schedules count."""
+        return self.ppo_epochs * self.num_minibatches
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        return self.decoupled_ppo or self.is_correction != "none"
+
+    def estimator_kwargs(self) -> dict[str, Any]:
+        """The advantage estimator's hyper-parameters: the fields it takes plus `advantage_hparams`."""
+        takes = estimator_hparams(self.advantage)
+        return {**{k: getattr(self, k) for k in _ADVANTAGE_FIELDS if k in takes}, **dict(self.advantage_hparams)}
 
 
 @flax.struct.dataclass
@@ -86,16 +172,18 @@ class RLBatch:
     old_values: jax.Array  # [batch, seq]; zeros without a critic
     advantages: jax.Array  # [batch, seq]
     returns: jax.Array  # [batch, seq]
+    is_weights: jax.Array  # [batch, seq] off-policy weights of each token's loss; ones when off
 
 
 def token_logprobs(
-    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig
+    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig, temperature: float = 1.0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
 
     Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
-    entry 0 has no prefix and is 0. Materialises [batch, seq, vocab] logits: size micro-batches
-    for it.
+    entry 0 has no prefix and is 0. Log-probs and entropy are of `logits / temperature`, the
+    distribution the sampler drew from at that temperature. Materialises [batch, seq, vocab]
+    logits: size micro-batches for it.
     """
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
@@ -106,10 +194,10 @@ def token_logprobs(
         params, tokens, positions, None, config=config.model, dtype=dtype, remat=config.remat,
         return_hidden=True, activation_sharding=activations,
     )
-    logits = logits[:, :-1]  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
+    logits = logits[:, :-1] / temperature  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = entropy_from_logits(logits)
-    if config.uses_critic:
+    if config.shared_value_head:
         values = value_head(params, hidden)[:, :-1]  # value of the state each token is sampled in
     else:
         values = jnp.zeros_like(logp)
@@ -117,12 +205,40 @@ def token_logprobs(
     return shift(logp), shift(entropy), shift(values)
 
 
-def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[RLBatch, Metrics]:
-    """Scores a rollout batch with the current and the reference policy and computes advantages."""
+def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig) -> jax.Array:
+    """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
+    value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
+    left out by XLA)."""
+    model = config.critic_model or config.model
+    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
+    activations = config.activation_sharding
+    if activations is not None:
+        spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
+        activations = NamedSharding(activations.mesh, spec)
+    _, _, hidden = forward(critic_params, tokens, positions, None, config=model, dtype=dtype, remat=config.remat,
+                           return_hidden=True, activation_sharding=activations)
+    return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+
+
+def prepare(
+    params: Any, ref_params: Any, batch: TokenBatch, critic_params: Any = None, *, config: UpdateConfig
+) -> tuple[RLBatch, Metrics]:
+    """Scores a rollout batch with the current and the reference policy and computes advantages.
+
+    `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
+    the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
+    separate critic's (`config.separate_critic`), else None.
+    """
+    if config.separate_critic != (critic_params is not None):
+        raise ValueError(f"critic={config.critic!r} with advantage={config.advantage!r}: critic_params must be "
+                         f"{'given' if config.separate_critic else 'None'}")
     mask = batch.loss_mask
-    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    temperature = config.temperature
+    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, temperature)
+    if config.separate_critic:
+        values = critic_values(critic_params, batch.tokens, batch.positions, config)
     if config.uses_reference:
-        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config)
+        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config, temperature)
     else:
         ref_logprobs = old_logprobs
     rewards = batch.token_rewards
@@ -136,11 +252,19 @@ def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfi
         loss_mask=mask,
         values=values if config.uses_critic else None,
         group_ids=batch.group_ids,
-        **dict(config.advantage_hparams),
+        **config.estimator_kwargs(),
     )
+    # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
+    is_weights, is_metrics = importance_weights(
+        old_logprobs, batch.old_logprobs, mask, level="token" if config.is_correction == "none" else config.is_correction,
+        cap=config.is_cap, mode="drop" if config.decoupled_ppo else "truncate",
+    )
+    if not config.corrects_off_policy:
+        is_weights = jnp.ones_like(is_weights)
     metrics = {
         # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
         "logprob_gap": masked_mean(jnp.abs(batch.old_logprobs - old_logprobs), mask),
+        **is_metrics,
         "entropy_at_rollout": masked_mean(entropy, mask),
         "advantage_mean": masked_mean(advantages, mask),
         "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
@@ -155,40 +279,53 @@ def prepare(params: Any, ref_params: Any, batch: TokenBatch, config: UpdateConfi
         old_values=values,
         advantages=advantages,
         returns=returns,
+        is_weights=is_weights,
     )
     return rl_batch, metrics
 
 
 def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """PPO clipped surrogate + KL to the reference - entropy bonus + clipped value loss."""
-    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config)
+    """PPO clipped surrogate (or GSPO's) + KL to the reference - entropy bonus + clipped value loss."""
+    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, config.temperature)
     mask = batch.loss_mask
+    agg = dict(agg_mode=config.agg_mode, norm_length=config.loss_norm_length)
     pg_loss, metrics = ppo_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, mask, agg_mode=config.agg_mode,
+        logprobs, batch.old_logprobs, batch.advantages, mask, **agg,
         clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
-        dual_clip_c=config.dual_clip_c,
+        dual_clip_c=config.dual_clip_c, ratio_level=POLICY_LOSSES[config.policy_loss],
+        token_weights=batch.is_weights if config.corrects_off_policy else None,
     )
-    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode)
+    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode, config.loss_norm_length)
     loss = pg_loss - config.entropy_coef * entropy_loss
     metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss}
     if config.uses_reference and not config.kl_in_reward:
-        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, agg_mode=config.agg_mode)
+        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, **agg)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl
-    if config.uses_critic:
+    if config.shared_value_head:
         v_loss, v_metrics = value_loss(
-            values, batch.old_values, batch.returns, mask, agg_mode=config.agg_mode,
-            clip_eps_value=config.clip_eps_value,
+            values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=config.clip_eps_value,
         )
         loss = loss + config.vf_coef * v_loss
         metrics = {**metrics, **v_metrics, "value_loss": v_loss}
     return loss, {**metrics, "loss": loss}
 
 
+def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """The separate critic's clipped value loss (its own optimizer: no `vf_coef`)."""
+    values = critic_values(critic_params, batch.tokens, batch.positions, config)
+    loss, metrics = value_loss(
+        values, batch.old_values, batch.returns, batch.loss_mask, agg_mode=config.agg_mode,
+        norm_length=config.loss_norm_length, clip_eps_value=config.clip_eps_value,
+    )
+    return loss, {**metrics, "value_loss": loss, "loss": loss}
+
+
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL)."""
+    """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
+    model's own distribution (temperature 1)."""
     logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config)
-    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode)
+    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode, config.loss_norm_length)
     return loss, {"loss": loss, "nll": loss}
 
 
@@ -235,6 +372,16 @@ def accumulated_update(
 
 def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     """`ppo_epochs` x `num_minibatches` optimizer updates over shuffled rows of `batch`."""
+    return _epochs(state, batch, rl_loss, config)
+
+
+def critic_update(critic_state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """The separate critic's `ppo_epochs` x `num_minibatches` updates (its own shuffles, from its RNG)."""
+    critic_state, metrics = _epochs(critic_state, batch, critic_loss, config)
+    return critic_state, {f"critic/{k}": v for k, v in metrics.items()}
+
+
+def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     rows = batch.tokens.shape[0]
     if rows % (config.num_minibatches * config.num_microbatches):
         raise ValueError(
@@ -247,7 +394,7 @@ def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[
         permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, rows)], batch)
         minibatches = _split(permuted, config.num_minibatches)
         return jax.lax.scan(
-            lambda s, mb: accumulated_update(s, mb, rl_loss, config), state.replace(rng=rng), minibatches
+            lambda s, mb: accumulated_update(s, mb, loss_fn, config), state.replace(rng=rng), minibatches
         )
 
     state, metrics = jax.lax.scan(epoch, state, None, length=config.ppo_epochs)
@@ -291,7 +438,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_
 class StepFns:
     """The jitted steps of one `UpdateConfig` and placement; build once, call every step."""
 
-    prepare: Callable[[Any, Any, TokenBatch], tuple[RLBatch, Metrics]]  # (params, ref_params, batch)
+    prepare: Callable[..., tuple[RLBatch, Metrics]]  # (params, ref_params, batch[, critic_params])
     rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]]  # donates the state
     sft_update: Callable[[TrainState, TokenBatch], tuple[TrainState, Metrics]]  # donates the state
     row_shards: int  # batches need a multiple of this many rows (pad with `make_token_batch(batch_size=)`)
@@ -300,21 +447,31 @@ class StepFns:
         """The smallest row count >= `rows` that splits evenly over the batch axes."""
         return -(-rows // self.row_shards) * self.row_shards
 
+    critic_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None  # separate critic only
 
-def make_step_fns(config: UpdateConfig, mesh: Mesh | None = None, state_shardings: TrainState | None = None) -> StepFns:
-    """`prepare`, `rl_update` and `sft_update` jitted for `config`.
+
+def make_step_fns(
+    config: UpdateConfig,
+    mesh: Mesh | None = None,
+    state_shardings: TrainState | None = None,
+    critic_shardings: TrainState | None = None,
+) -> StepFns:
+    """`prepare`, `rl_update`, `sft_update` (and, with a separate critic, `critic_update`) jitted.
 
     Without a mesh: plain `jax.jit` (one device). With one: explicit `in_shardings` and
     `out_shardings` — the state as `state_shardings` (`train_state_shardings(state, mesh)`; pass
     states already placed there, e.g. with `jax.device_put`), the reference params like the
     params, batch rows over ("data", "fsdp") (the row count must divide over them), metrics
     replicated. Outputs come back in the input shardings, so step after step compiles nothing.
+    A separate critic's state is placed as `critic_shardings` (None: as its inputs come) and is the
+    fourth argument of `prepare`.
     Each call makes new jitted functions, i.e. new compilations: call it once per run.
     """
-    params = state = rows = replicated = None
+    params = state = rows = replicated = critic = None
     if mesh is not None:
         if state_shardings is None:
             raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
+        critic = critic_shardings
         config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
         params, state = state_shardings.params, state_shardings
         rows, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
@@ -323,9 +480,13 @@ def make_step_fns(config: UpdateConfig, mesh: Mesh | None = None, state_sharding
         shardings = {} if mesh is None else dict(in_shardings=ins, out_shardings=outs)
         return jax.jit(functools.partial(fn, config=config), **shardings, **kw)
 
+    prepare_ins = (params, params, rows) + ((None if critic is None else critic.params,) if config.separate_critic else ())
     return StepFns(
-        prepare=jit(prepare, (params, params, rows), (rows, replicated)),
+        prepare=jit(prepare, prepare_ins, (rows, replicated)),
         rl_update=jit(rl_update, (state, rows), (state, replicated), donate_argnums=0),
         sft_update=jit(sft_update, (state, rows), (state, replicated), donate_argnums=0),
         row_shards=1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES),
+        critic_update=(
+            jit(critic_update, (critic, rows), (critic, replicated), donate_argnums=0) if config.separate_critic else None
+        ),
     )

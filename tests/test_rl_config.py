@@ -1,0 +1,84 @@
+"""Every update-config field is a `config.algo` key, settable with `--config.algo.<key>=...` (the
+flag parser `launch` uses), and a bad value is a `ConfigError` naming the value and the valid ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from agentgym_jax.config import ConfigError
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.train import build
+from agentgym_jax.rollout.rl_batch import BatchFilter
+from agentgym_jax.train.steps import UpdateConfig
+
+MODEL = ModelConfig.small()
+# Fields that come from elsewhere: the model and its dtypes (config.model), the temperature
+# (config.rollout, via build.rl_temperature), the mesh, the token budget (config.rollout), the
+# critic's architecture (read from algo.critic_dir) and the estimator's extra hyper-parameters
+# (`advantage_hparams`, a Python-config-only dict).
+NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "activation_sharding", "advantage_hparams",
+            "grouped", "max_response_length"}
+# A valid value other than the default for every key.
+OVERRIDES = {
+    "advantage": "rloo", "gamma": 0.9, "lam": 0.95, "discount": "turn", "ppo_epochs": 3, "num_minibatches": 4,
+    "num_microbatches": 2, "policy_loss": "gspo", "clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip_c": 3.0,
+    "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01, "vf_coef": 0.25,
+    "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
+    "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True,
+    "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5,
+}
+
+
+def parse(*overrides: str):
+    """The config `launch` would run for `--config=configs/quickstart.py <overrides>`."""
+    argv = ["launch", "--config=configs/quickstart.py", *overrides]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+def test_every_field_is_a_config_key_and_every_override_arrives():
+    fields = {f.name for f in dataclasses.fields(UpdateConfig)} | {f.name for f in dataclasses.fields(BatchFilter)}
+    assert fields - NOT_ALGO == set(OVERRIDES) <= set(parse().algo.keys())
+    config = parse(*(f"--config.algo.{key}={value}" for key, value in OVERRIDES.items()))
+    update, rules = build.update_config(config, MODEL), build.batch_filter(config)
+    for key, value in OVERRIDES.items():
+        assert getattr(update if hasattr(update, key) else rules, key) == value, key
+    assert rules.grouped  # rloo's baseline is its group; the estimator reaches the filter
+    assert not build.batch_filter(parse("--config.algo.advantage=gae")).grouped
+
+
+def test_zero_means_off_for_optional_thresholds():
+    update = build.update_config(parse(), MODEL)
+    assert update.dual_clip_c is None and update.loss_norm_length is None and update.decoupled_ppo is False
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--config.algo.advantage=ppo"], "advantage='ppo' is not one of grpo, dr_grpo, rloo, reinforce_plus_plus, gae"),
+    (["--config.algo.gamma=1.5"], "gamma must be in .0, 1., got 1.5"),
+    (["--config.algo.discount=step"], "discount='step' is not one of token, turn"),
+    (["--config.algo.policy_loss=grpo"], "policy_loss='grpo' is not one of ppo, gspo"),
+    (["--config.algo.agg_mode=mean"], "agg_mode='mean' is not one of token-mean"),
+    (["--config.algo.agg_mode=seq-mean-token-sum-norm"], "needs loss_norm_length"),
+    (["--config.algo.is_correction=tis"], "is_correction='tis' is not one of none, token, sequence"),
+    (["--config.algo.dual_clip_c=0.5"], "dual_clip_c must be > 1, got 0.5"),
+    (["--config.algo.ppo_epochs=0"], "ppo_epochs must be >= 1, got 0"),
+    (["--config.algo.kl_estimator=k4"], "kl_estimator='k4' is not one of k1, k2, k3, low_var_kl"),
+    (["--config.algo.decoupled_ppo=True", "--config.algo.is_correction=token"], "decoupled_ppo weights the loss"),
+    (["--config.algo.is_cap=0"], "is_cap must be > 0, got 0"),
+])
+def test_bad_update_values_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build.update_config(parse(*overrides), MODEL)
+
+
+def test_bad_filter_values_are_config_errors():
+    with pytest.raises(ConfigError, match="overlong='cut' is not one of off, mask, penalty"):
+        build.batch_filter(parse("--config.algo.overlong=cut"))
+    with pytest.raises(ConfigError, match="overlong_penalty must be >= 0, got -1"):
+        build.batch_filter(parse("--config.algo.overlong_penalty=-1.0"))
