@@ -13,7 +13,7 @@ from agentgym_jax.models import hf_checkpoint
 from agentgym_jax.models.decoder import forward, init_params, init_value_head
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.advantages import gae
-from agentgym_jax.train import build, steps
+from agentgym_jax.train import jobs, steps
 from agentgym_jax.train.state import TrainState
 
 CONFIG = steps.UpdateConfig(model=MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
@@ -83,12 +83,12 @@ def test_critic_state_starts_from_the_policy_or_a_folder(source, tmp_path):
         source_params = init_params(MODEL, jax.random.PRNGKey(9))
         hf_checkpoint.save_pretrained(source_params, MODEL, tmp_path)
         config.algo.critic_dir = str(tmp_path)
-    update = build.update_config(config, MODEL)
+    update = jobs.update_config(config, MODEL)
     assert update.separate_critic and not update.shared_value_head
     assert (update.critic_model is None) == (source == "policy")
-    [critic] = build.critic_states(config, update, make_mesh(1, -1, 1), policy)
+    [critic] = jobs.critic_states(config, update, make_mesh(1, -1, 1), policy)
     assert set(critic.params) == set(policy) | {"value_head"}
     for name in policy:
         jax.tree.map(np.testing.assert_array_equal, critic.params[name], source_params[name])
-    assert build.critic_states(load_config_file("configs/quickstart.py"), build.update_config(
+    assert jobs.critic_states(load_config_file("configs/quickstart.py"), jobs.update_config(
         load_config_file("configs/quickstart.py"), MODEL), make_mesh(1, -1, 1), policy) == []

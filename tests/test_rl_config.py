@@ -11,13 +11,13 @@ from ml_collections import config_flags
 
 from agentgym_jax.config import ConfigError
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.train import build
+from agentgym_jax.train import jobs
 from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train.steps import UpdateConfig
 
 MODEL = ModelConfig.small()
 # Fields that come from elsewhere: the model and its dtypes (config.model), the temperature
-# (config.rollout, via build.rl_temperature), the mesh, the token budget (config.rollout), the
+# (config.rollout, via jobs.rl_temperature), the mesh, the token budget (config.rollout), the
 # critic's architecture (read from algo.critic_dir) and the estimator's extra hyper-parameters
 # (`advantage_hparams`, a Python-config-only dict).
 NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "activation_sharding", "advantage_hparams",
@@ -46,15 +46,15 @@ def test_every_field_is_a_config_key_and_every_override_arrives():
     fields = {f.name for f in dataclasses.fields(UpdateConfig)} | {f.name for f in dataclasses.fields(BatchFilter)}
     assert fields - NOT_ALGO == set(OVERRIDES) <= set(parse().algo.keys())
     config = parse(*(f"--config.algo.{key}={value}" for key, value in OVERRIDES.items()))
-    update, rules = build.update_config(config, MODEL), build.batch_filter(config)
+    update, rules = jobs.update_config(config, MODEL), jobs.batch_filter(config)
     for key, value in OVERRIDES.items():
         assert getattr(update if hasattr(update, key) else rules, key) == value, key
     assert rules.grouped  # rloo's baseline is its group; the estimator reaches the filter
-    assert not build.batch_filter(parse("--config.algo.advantage=gae")).grouped
+    assert not jobs.batch_filter(parse("--config.algo.advantage=gae")).grouped
 
 
 def test_zero_means_off_for_optional_thresholds():
-    update = build.update_config(parse(), MODEL)
+    update = jobs.update_config(parse(), MODEL)
     assert update.dual_clip_c is None and update.loss_norm_length is None and update.decoupled_ppo is False
 
 
@@ -74,11 +74,11 @@ def test_zero_means_off_for_optional_thresholds():
 ])
 def test_bad_update_values_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        build.update_config(parse(*overrides), MODEL)
+        jobs.update_config(parse(*overrides), MODEL)
 
 
 def test_bad_filter_values_are_config_errors():
     with pytest.raises(ConfigError, match="overlong='cut' is not one of off, mask, penalty"):
-        build.batch_filter(parse("--config.algo.overlong=cut"))
+        jobs.batch_filter(parse("--config.algo.overlong=cut"))
     with pytest.raises(ConfigError, match="overlong_penalty must be >= 0, got -1"):
-        build.batch_filter(parse("--config.algo.overlong_penalty=-1.0"))
+        jobs.batch_filter(parse("--config.algo.overlong_penalty=-1.0"))

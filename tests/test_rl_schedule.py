@@ -11,7 +11,7 @@ from agentgym_jax.config import load_config_file
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import init_params
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import build
+from agentgym_jax.train import jobs
 from agentgym_jax.train.jobs import optim_config, rl_optim_config
 from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
@@ -52,7 +52,7 @@ def quickstart(**overrides):
 def test_rl_cosine_schedule_lasts_until_the_last_update(warmup_steps):
     config = quickstart(**{"optim.lr_schedule": "cosine", "optim.warmup_steps": warmup_steps, "train.steps": 24,
                            "algo.ppo_epochs": 2, "algo.num_minibatches": 2})
-    update_config = build.update_config(config, MODEL, temperature=build.rl_temperature(config))
+    update_config = jobs.update_config(config, MODEL, temperature=jobs.rl_temperature(config))
     assert update_config.updates_per_step == 4
     rates = learning_rates(make_optimizer(rl_optim_config(config, update_config.updates_per_step)), 24 * 4 + 1)
     assert min(rates[:96]) > 0 and rates[95] < 1e-3 * config.optim.lr  # > 0 until the last update ...
@@ -65,7 +65,7 @@ def test_an_rl_step_makes_the_updates_the_schedule_counts():
     from test_train_steps import _batch  # a small random RL batch
 
     config = quickstart(**{"algo.ppo_epochs": 2, "algo.num_minibatches": 2, "algo.kl_coef": 0.0})
-    update_config = build.update_config(config, MODEL, temperature=build.rl_temperature(config))
+    update_config = jobs.update_config(config, MODEL, temperature=jobs.rl_temperature(config))
     tx = make_optimizer(rl_optim_config(config, update_config.updates_per_step))
     state = TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
     fns = make_step_fns(update_config)
@@ -84,7 +84,7 @@ def test_sft_warm_start_schedule_spans_its_own_updates():
     tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
     rates = learning_rates(tx, updates + 1)
     assert min(rates[:updates]) > 0 and rates[updates] == 0.0
-    update_config = build.update_config(config, MODEL)
+    update_config = jobs.update_config(config, MODEL)
     state = TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
     state, history = sft_train(state, demos, update_config, batch_size=2, epochs=3, seed=0, progress=False)
     assert len(history) == int(state.step) == updates
