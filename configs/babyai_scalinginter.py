@@ -13,7 +13,7 @@ from configs import textcraft_grpo
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    config = textcraft_grpo.get_config()
+    config = textcraft_grpo.get_config(arg)  # arg: the model preset, as in textcraft_grpo
     config.workdir = "runs/babyai_scalinginter"
     config.env.name = "babyai"
     config.rollout.group_size = 4

@@ -3,6 +3,10 @@ r"""TextCraft with GRPO and ScalingInter-RL, on AgentGym-RL's published hyperpar
     python -m agentgym_jax.launch --config=configs/textcraft_grpo.py \
         --config.model.hf_dir=/path/to/Qwen2.5-7B-Instruct --config.workdir=runs/textcraft_grpo
 
+The config argument names the model-shape preset (`configs/models.py`, default qwen2.5-7b: its
+shape and the mesh it is sized for), e.g. `--config=configs/textcraft_grpo.py:qwen2.5-1.5b`;
+`bench/scale.py` compiles it at that shape without a checkpoint. See docs/scale.md.
+
 AgentGym-RL (examples/train/ScalingInter-RL/textcraft_train.sh): GRPO, lr 1e-6, KL loss 0.001
 (low_var_kl), n = 8 samples per task, 32 tasks per step, PPO mini-batches of 8 tasks, 2 inner
 epochs, 512 tokens per turn, 10240 response tokens per episode, turns 10 -> 20 -> 30 every 100
@@ -12,11 +16,11 @@ environment servers start locally unless `env.urls` names running ones.
 
 import ml_collections
 
-from configs import quickstart
+from configs import models, quickstart
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    config = quickstart.get_config()
+    config = models.apply(quickstart.get_config(), arg or "qwen2.5-7b")
     config.workdir = "runs/textcraft_grpo"
     config.env.name = "textcraft"
     config.env.num_servers = 4
@@ -26,7 +30,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.param_dtype = "bfloat16"
     config.model.compute_dtype = "bfloat16"
     config.model.remat = True
-    config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
     config.rollout.batch_tasks = 32  # data.train_batch_size
     config.rollout.group_size = 8  # rollout.n

@@ -297,6 +297,7 @@ class Sampler:
         sampling_params_fn: SamplingParamsFn | None = None,
     ):
         self.config = config
+        self.shardings = shardings
         self._sampling_params_fn = sampling_params_fn
         self.max_cache_len = max_cache_len
         row_shards = shardings.row_shards if shardings else 1
@@ -359,6 +360,26 @@ class Sampler:
         return cls(
             step_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings,
             loop_params_fn=decoder.unstack_layers, sampling_params_fn=policy_fn, **buckets_kw,
+        )
+
+    @classmethod
+    def sharded_decoder(
+        cls,
+        model_config: ModelConfig,
+        config: SamplingConfig,
+        mesh: jax.sharding.Mesh,
+        *,
+        max_cache_len: int,
+        dtype: jnp.dtype,
+        **buckets_kw,
+    ) -> Sampler:
+        """`for_decoder` laid out on `mesh` the project's way (`SamplerShardings.for_mesh`), with
+        its weights and KV cache in the compute `dtype`: what a job samples with."""
+        dtype = jnp.dtype(dtype)
+        weights = jax.eval_shape(functools.partial(decoder.init_params, model_config, param_dtype=dtype), jax.random.key(0))
+        return cls.for_decoder(
+            model_config, config, max_cache_len=max_cache_len, dtype=dtype, cache_dtype=dtype,
+            shardings=SamplerShardings.for_mesh(mesh, weights, model_config), **buckets_kw,
         )
 
     def sampling_params(self, params: Params) -> Params:

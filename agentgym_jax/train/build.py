@@ -8,7 +8,6 @@ folder, or a random small model), the rollout engine and the update config.
 from __future__ import annotations
 
 import contextlib
-import functools
 import pathlib
 from collections.abc import Iterator, Sequence
 
@@ -28,7 +27,7 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.parallel import partition
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
-from agentgym_jax.sampling.sampler import Sampler, SamplerShardings
+from agentgym_jax.sampling.sampler import Sampler
 from agentgym_jax.train.steps import UpdateConfig
 
 
@@ -141,19 +140,15 @@ def make_engine(
 
 
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
-    """A sampler sharded over the job's mesh: its weights in the compute dtype (copied once per
-    rollout) by the partition rules, episodes over ("data", "fsdp"), the KV cache in the compute
-    dtype with its key/value heads over "tensor"."""
-    compute = jnp.dtype(config.model.compute_dtype)
+    """A sampler sharded over the job's mesh (episodes over ("data", "fsdp"), key/value heads over
+    "tensor"), its weights (copied once per rollout) and KV cache in the compute dtype."""
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)  # equal to the job's: same shape, same devices
-    weights = jax.eval_shape(functools.partial(decoder.init_params, model, param_dtype=compute), jax.random.key(0))
-    return Sampler.for_decoder(
+    return Sampler.sharded_decoder(
         model,
         rollout.sampling_config(framing),
+        mesh,
         max_cache_len=config.rollout.max_cache_len,
-        dtype=compute,
-        cache_dtype=compute,
-        shardings=SamplerShardings.for_mesh(mesh, weights, model),
+        dtype=config.model.compute_dtype,
     )
 
 
