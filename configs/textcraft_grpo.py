@@ -27,9 +27,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.max_concurrency = 256
     config.tokenizer.dir = ""  # empty: the tokenizer files of model.hf_dir
     config.model.hf_dir = ""  # required: a local Qwen2.5 folder (config.json, safetensors, tokenizer)
-    config.model.param_dtype = "bfloat16"
-    config.model.compute_dtype = "bfloat16"
-    config.model.remat = True
+    config.model.param_dtype = "float32"  # master weights and AdamW moments
+    config.model.compute_dtype = "bfloat16"  # matmuls; the reference policy is stored in it
+    config.model.remat = "full"  # a layer keeps only its input: 8 rows x 10752 tokens fit 80 GB at 7B
 
     config.rollout.batch_tasks = 32  # data.train_batch_size
     config.rollout.group_size = 8  # rollout.n
@@ -45,7 +45,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.advantage = "grpo"
     config.algo.ppo_epochs = 2  # ppo_epochs (honoured here; AgentGym-RL ignores it)
     config.algo.num_minibatches = 4  # 32 tasks / ppo_mini_batch_size 8
-    config.algo.num_microbatches = 64  # 8 tasks x 8 samples per mini-batch, one row per micro-batch
+    # 64 rows (8 tasks x 8 samples) per mini-batch / 8 = 8 rows per micro-batch, one per device of an
+    # 8-device mesh: a micro-batch needs a multiple of the mesh's batch shards (data x fsdp) rows.
+    config.algo.num_microbatches = 8
     config.algo.kl_coef = 0.001
     config.algo.kl_estimator = "low_var_kl"
     config.algo.kl_in_reward = False  # use_kl_loss=True

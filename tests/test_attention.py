@@ -95,15 +95,28 @@ def test_flash_attention_gradients_match_dense_attention(case):
         assert np.max(np.abs(np.asarray(g) - np.asarray(w))) <= 1e-5 * scale, name
 
 
-def test_flash_attention_in_bfloat16_stays_close_and_finite():
+@pytest.mark.parametrize("block", [8, 32])  # several tiles, one tile
+def test_flash_attention_in_bfloat16_stays_close_and_finite(block):
+    """Values and gradients in bfloat16 (float32 accumulation) near the float32 ones."""
     q_pos = _right_padded(2, 32, [32, 7])
     q, k, v = _inputs(2, 32, 32, seed=3)
-    got = flash_attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), q_pos, q_pos, block_q=8, block_k=8)
+    weights = (q_pos >= 0)[..., None, None].astype(np.float32)
+
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, q_pos, q_pos, block_q=block, block_k=block)
+        return jnp.sum(weights * out.astype(jnp.float32)), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, got), got_grads = grad(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+    (_, _), want_grads = grad(q, k, v)
     assert got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
     real = q_pos >= 0
     np.testing.assert_allclose(got[real], numpy_attention(q, k, v, q_pos, q_pos)[real], atol=3e-2)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=5e-2 * np.max(np.abs(w)))
 
 
 @pytest.mark.parametrize(

@@ -231,14 +231,15 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
     def dq_block(inputs):
         qi, doi, lse_i, delta_i, qpi = inputs
 
-        def step(dq, kv_block):
+        def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
             kj, vj, kpj = kv_block
             _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
-            return dq + jnp.einsum("bkgts,bksd->btkgd", d_scores.astype(kj.dtype), kj,
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
                                    preferred_element_type=jnp.float32), None
 
-        dq, _ = jax.lax.scan(step, jnp.zeros(qi.shape, jnp.float32), (kb, vb, kpb))
-        return (dq * scale).astype(q.dtype)
+        batch, block, kv, group, dim = qi.shape
+        dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb))
+        return (dq * scale).transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
     def dkv_block(inputs):
         kj, vj, kpj = inputs

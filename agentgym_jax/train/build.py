@@ -171,4 +171,5 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig) -> Upda
         agg_mode=a.agg_mode,
         compute_dtype=config.model.compute_dtype,
         remat=config.model.remat,
+        logprob_chunk=config.model.logprob_chunk,
     )

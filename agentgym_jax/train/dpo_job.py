@@ -47,7 +47,7 @@ from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch
 from agentgym_jax.train.metrics import MetricsLogger
-from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_shardings
 
 
@@ -152,7 +152,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
-        ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+        ref_params = reference_params(state.params, update_config.compute_dtype)
         fns = make_dpo_step_fns(update_config, config.dpo.beta, mesh, shardings)
         ckpt = Checkpointer(str(workdir / "checkpoints"), config.train.checkpoint_every, config.train.keep_checkpoints)
         stack.callback(ckpt.close)

@@ -31,7 +31,7 @@ from agentgym_jax.train.checkpoint import Checkpointer
 from agentgym_jax.train.jobs import episode_texts, evaluate, optim_config, play_oracle, rollout_metrics, task_batch
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.sft import sft_train
-from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 
@@ -66,7 +66,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         train_engine = stack.enter_context(build.make_engine(config, model, framing, urls, info, build.rollout_config(config)))
 
         if resuming:
-            (state, ref_params), meta = ckpt.restore((state, params))
+            (state, ref_params), meta = ckpt.restore((state, reference_params(params, update_config.compute_dtype)))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -81,7 +81,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 )
                 state = state.replace(params=sft_state.params, opt_state=state.tx.init(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
-            ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+            ref_params = reference_params(state.params, update_config.compute_dtype)
             meta["eval_before"] = evaluate(eval_engine, state.params, test_ids, config.eval.horizon, config.seed)
             ckpt.save(0, (state, ref_params), meta, force=True)
 
