@@ -79,7 +79,7 @@ from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
 from agentgym_jax.train import build  # noqa: E402
 from agentgym_jax.train.jobs import optim_config  # noqa: E402
-from agentgym_jax.train.state import TrainState, make_optimizer  # noqa: E402
+from agentgym_jax.train.state import TrainState, make_optimizer, reference_params  # noqa: E402
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings  # noqa: E402
 from configs import models  # noqa: E402
 
@@ -182,7 +182,9 @@ def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: j
     shapes = jax.eval_shape(init_state, jax.random.PRNGKey(0))
     state_shardings = train_state_shardings(shapes, mesh)
     state = with_shardings(shapes, state_shardings)
-    ref_params = state.params  # the RL job's frozen reference: a copy of the initial params
+    # The RL job's frozen reference: a copy of the initial params in the compute dtype, laid out like them.
+    reference = functools.partial(reference_params, compute_dtype=update_config.compute_dtype)
+    ref_params = with_shardings(jax.eval_shape(reference, state.params), state_shardings.params)
     step_fns = make_step_fns(update_config, mesh, state_shardings)
 
     rows = step_fns.padded_rows(config.rollout.batch_tasks * config.rollout.group_size)
@@ -283,7 +285,8 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
         return out
 
     state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.PRNGKey(0))
-    ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=state_shardings.params)(state.params)
+    compute = build.update_config(config, model).compute_dtype
+    ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
     _, cache, logits, tokens, lengths = by_name["append"].args
     rows, chunk = tokens.shape
