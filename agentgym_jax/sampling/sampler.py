@@ -318,9 +318,14 @@ class Sampler:
         self._vocab_size: int | None = None
         jit = functools.partial(_jit, shardings)
         self._init_cache = jit(init_cache_fn, ("static", "static"), "cache", static_argnums=(0, 1))
-        # The cache and logits are donated: each call updates them in place.
+        # The cache and logits are donated: each call updates them in place. With `loop_params_fn`
+        # an append runs on the per-layer params too: each layer then writes its keys into the
+        # cache in place, where the scan over stacked layers copies every layer's slice of it.
+        append = functools.partial(append_chunk, step_fn)
+        if loop_params_fn is not None:
+            append = lambda params, *rest: append_chunk(step_fn, loop_params_fn(params), *rest)  # noqa: E731
         self._append = jit(
-            functools.partial(append_chunk, step_fn),
+            append,
             ("params", "cache", "batch", "batch", "batch"),
             ("cache", "batch"),
             donate_argnums=(1, 2),
