@@ -46,7 +46,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.head_dim = 32
     config.model.param_dtype = "float32"
     config.model.compute_dtype = "float32"
-    config.model.remat = False
+    config.model.remat = "none"  # what a layer keeps for the backward: none (no remat) | full (its input) | dots
+    config.model.logprob_chunk = 1024  # positions projected to the vocabulary at a time in the losses
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

@@ -3,6 +3,10 @@ r"""TextCraft with GRPO and ScalingInter-RL, on AgentGym-RL's published hyperpar
     python -m agentgym_jax.launch --config=configs/textcraft_grpo.py \
         --config.model.hf_dir=/path/to/Qwen2.5-7B-Instruct --config.workdir=runs/textcraft_grpo
 
+The config argument names the model-shape preset (`configs/models.py`, default qwen2.5-7b: its
+shape and the mesh it is sized for), e.g. `--config=configs/textcraft_grpo.py:qwen2.5-1.5b`;
+`bench/scale.py` compiles it at that shape without a checkpoint. See docs/scale.md.
+
 AgentGym-RL (examples/train/ScalingInter-RL/textcraft_train.sh): GRPO, lr 1e-6, KL loss 0.001
 (low_var_kl), n = 8 samples per task, 32 tasks per step, PPO mini-batches of 8 tasks, 2 inner
 epochs, 512 tokens per turn, 10240 response tokens per episode, turns 10 -> 20 -> 30 every 100
@@ -12,21 +16,20 @@ environment servers start locally unless `env.urls` names running ones.
 
 import ml_collections
 
-from configs import quickstart
+from configs import models, quickstart
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    config = quickstart.get_config()
+    config = models.apply(quickstart.get_config(), arg or "qwen2.5-7b")
     config.workdir = "runs/textcraft_grpo"
     config.env.name = "textcraft"
     config.env.num_servers = 4
     config.env.max_concurrency = 256
     config.tokenizer.dir = ""  # empty: the tokenizer files of model.hf_dir
     config.model.hf_dir = ""  # required: a local Qwen2.5 folder (config.json, safetensors, tokenizer)
-    config.model.param_dtype = "bfloat16"
-    config.model.compute_dtype = "bfloat16"
-    config.model.remat = True
-    config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    config.model.param_dtype = "float32"  # master weights and AdamW moments
+    config.model.compute_dtype = "bfloat16"  # matmuls; the reference policy is stored in it
+    config.model.remat = "full"  # a layer keeps only its input: 8 rows x 10752 tokens fit 80 GB at 7B
 
     config.rollout.batch_tasks = 32  # data.train_batch_size
     config.rollout.group_size = 8  # rollout.n
@@ -42,7 +45,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.advantage = "grpo"
     config.algo.ppo_epochs = 2  # ppo_epochs (honoured here; AgentGym-RL ignores it)
     config.algo.num_minibatches = 4  # 32 tasks / ppo_mini_batch_size 8
-    config.algo.num_microbatches = 64  # 8 tasks x 8 samples per mini-batch, one row per micro-batch
+    # 64 rows (8 tasks x 8 samples) per mini-batch / 8 = 8 rows per micro-batch, one per device of an
+    # 8-device mesh: a micro-batch needs a multiple of the mesh's batch shards (data x fsdp) rows.
+    config.algo.num_microbatches = 8
     config.algo.kl_coef = 0.001
     config.algo.kl_estimator = "low_var_kl"
     config.algo.kl_in_reward = False  # use_kl_loss=True

@@ -14,6 +14,12 @@
 # unless the config names shared ones (`--config.env.urls=...`, e.g. from launch/ray_env_servers.py).
 # Keep `--config.workdir` on storage every worker sees (e.g. a gcsfuse mount) for checkpoints.
 #
+# Compilation: every worker keeps JAX's persistent compilation cache (`jax_compilation_cache_dir`)
+# in JAX_COMPILATION_CACHE_DIR (default: ~/.cache/agentgym_jax/jax on each worker; a gs:// path
+# shares one across the slice), so a rerun or a resumed run loads its compiled steps. Memory:
+# the TPU runtime owns all of each chip's HBM (the XLA_PYTHON_CLIENT_* fraction and preallocation
+# settings are the GPU client's; nothing to set here). See docs/scale.md.
+#
 # Set: TPU (the TPU VM name), ZONE. Optional: PROJECT (gcloud project), REMOTE_DIR (default
 # agentgym_jax, relative to the workers' home), EXTRAS (default tpu,envs), PYTHON (the workers'
 # interpreter, default python3), INSTALL=0 to skip copying and installing (re-runs),
@@ -48,6 +54,11 @@ where=(--zone="$ZONE" ${PROJECT:+--project="$PROJECT"})
 
 # The command each worker runs, every word quoted for the worker's shell.
 launch=$(printf '%q ' "$PYTHON" -m agentgym_jax.launch --config="$CONFIG" "$@")
+if [[ -n ${JAX_COMPILATION_CACHE_DIR:-} ]]; then
+  cache_dir=$(printf '%q' "$JAX_COMPILATION_CACHE_DIR")
+else
+  cache_dir='"$HOME/.cache/agentgym_jax/jax"'  # expanded by each worker's shell
+fi
 remote="cd $(printf '%q' "$REMOTE_DIR")"
 if [[ ${INSTALL:-1} == 1 ]]; then
   if ! git rev-parse --verify -q HEAD >/dev/null; then
@@ -64,4 +75,4 @@ if [[ ${INSTALL:-1} == 1 ]]; then
   remote="mkdir -p $(printf '%q' "$REMOTE_DIR") && tar -xzf agentgym_jax.tar.gz -C $(printf '%q' "$REMOTE_DIR") && $remote"
   remote+=" && $(printf '%q' "$PYTHON") -m pip install -q -e $(printf '%q' ".[$EXTRAS]") -c constraints.txt"
 fi
-run "${gcloud_tpu[@]}" ssh "$TPU" --worker=all "${where[@]}" --command="$remote && ${launch% }"
+run "${gcloud_tpu[@]}" ssh "$TPU" --worker=all "${where[@]}" --command="export JAX_COMPILATION_CACHE_DIR=$cache_dir && $remote && ${launch% }"

@@ -29,7 +29,7 @@ _RECORDER = """#!{python}
 import json, os, shutil, subprocess, sys
 name = os.path.basename(sys.argv[0])
 record = {{"name": name, "argv": sys.argv[1:], "cwd": os.getcwd(),
-          "env": {{k: v for k, v in os.environ.items() if k.startswith(("JAX_", "SLURM_"))}}}}
+          "env": {{k: v for k, v in os.environ.items() if k.startswith(("JAX_", "SLURM_", "XLA_"))}}}}
 with open({log!r}, "a") as f:
     f.write(json.dumps(record) + "\\n")
 if name == "gcloud" and sys.argv[4:5] == ["scp"]:  # copy to the fake worker's home
@@ -91,6 +91,12 @@ def test_tpu_pod_dry_run_prints_the_commands_and_runs_nothing(fakes):
     *setup, launch = remote.split(" && ")
     assert shlex.split(launch) == ["python3", "-m", "agentgym_jax.launch", "--config=configs/quickstart.py", *OVERRIDES]
     assert shlex.split(setup[-1]) == ["python3", "-m", "pip", "install", "-q", "-e", ".[tpu,envs]", "-c", "constraints.txt"]
+    assert setup[0] == 'export JAX_COMPILATION_CACHE_DIR="$HOME/.cache/agentgym_jax/jax"'  # each worker's own
+
+    shared = _run(TPU_POD, ["configs/quickstart.py"], {**env, "DRY_RUN": "1", "TPU": "pod-a", "ZONE": "z",
+                                                         "JAX_COMPILATION_CACHE_DIR": "gs://bucket/my cache"})
+    remote = next(a for a in shlex.split(shared.stdout.splitlines()[-1]) if a.startswith("--command=")).split("=", 1)[1]
+    assert shlex.split(remote.split(" && ")[0]) == ["export", "JAX_COMPILATION_CACHE_DIR=gs://bucket/my cache"]
 
 
 @needs_git
@@ -114,6 +120,7 @@ def test_tpu_pod_worker_runs_the_config_with_overrides_intact(fakes):
     assert pip["cwd"] == launch["cwd"] == str(checkout)
     assert pip["argv"] == ["-m", "pip", "install", "-q", "-e", ".[tpu,envs]", "-c", "constraints.txt"]
     assert launch["argv"] == ["-m", "agentgym_jax.launch", "--config=configs/quickstart.py", *OVERRIDES]
+    assert launch["env"]["JAX_COMPILATION_CACHE_DIR"] == f"{env['HOME']}/.cache/agentgym_jax/jax"
 
 
 def test_tpu_pod_needs_its_settings(fakes, tmp_path):
@@ -143,8 +150,10 @@ def test_slurm_dry_run_prints_the_coordinator_and_the_srun_command(fakes, tmp_pa
                 cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert [r["name"] for r in read_log()] == ["scontrol"]  # srun is printed, not run
-    coordinator, processes, srun = done.stdout.strip().splitlines()
+    coordinator, processes, *memory, srun = done.stdout.strip().splitlines()
     assert coordinator == "JAX_COORDINATOR_ADDRESS=gpu-a17:4567" and processes == "JAX_NUM_PROCESSES=2"
+    assert memory == ["XLA_PYTHON_CLIENT_PREALLOCATE=true", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95",
+                      f"JAX_COMPILATION_CACHE_DIR={REPO}/.jax_cache"]
     srun = shlex.split(srun)
     assert srun[0] == "srun" and {"--ntasks=2", "--nodes=2", "--ntasks-per-node=1"} <= set(srun)
     launch = ["python", "-m", "agentgym_jax.launch", "--config=configs/quickstart.py", *OVERRIDES]
@@ -154,7 +163,8 @@ def test_slurm_dry_run_prints_the_coordinator_and_the_srun_command(fakes, tmp_pa
 def test_slurm_tasks_get_the_coordinator_process_ids_and_all_node_gpus(fakes, tmp_path, monkeypatch):
     env, read_log, _ = fakes
     done = _run(SLURM, ["configs/quickstart.py", *OVERRIDES],
-                {**env, **SLURM_ENV, "PYTHON": "python3", "SLURM_SUBMIT_DIR": str(REPO)}, cwd=tmp_path)
+                {**env, **SLURM_ENV, "PYTHON": "python3", "SLURM_SUBMIT_DIR": str(REPO),
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     calls = read_log()
     assert [c["name"] for c in calls] == ["scontrol", "srun", "python3", "python3"]
@@ -163,6 +173,9 @@ def test_slurm_tasks_get_the_coordinator_process_ids_and_all_node_gpus(fakes, tm
         assert task["cwd"] == str(REPO)
         assert task["argv"] == ["-m", "agentgym_jax.launch", "--config=configs/quickstart.py", *OVERRIDES]
         assert task["env"]["JAX_LOCAL_DEVICE_IDS"] == "0,1,2,3"  # not SLURM_LOCALID's single GPU
+        assert task["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+        assert task["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"  # the caller's, kept
+        assert task["env"]["JAX_COMPILATION_CACHE_DIR"] == f"{REPO}/.jax_cache"  # shared by the nodes
 
         # What agentgym_jax/parallel/distributed.py makes of that task's environment.
         seen = {}

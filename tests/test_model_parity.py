@@ -10,13 +10,16 @@ import pytest
 import tiny_hf
 
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
-from agentgym_jax.models.decoder import forward, init_cache, unstack_layers
+from agentgym_jax.models.decoder import ATTENTION_BLOCK, forward, init_cache, unstack_layers
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 
 FAMILIES = sorted(tiny_hf.FAMILIES)
 SEQ = 20  # every full pass is [3, SEQ] and every cached chunk [3, CHUNK]: one compile each per family
 CHUNK = 8
-jit_forward = jax.jit(forward, static_argnames=("config", "dtype"))
+jit_forward = jax.jit(forward, static_argnames=("config", "dtype", "attention_block"))
+# The default tile holds every test sequence in one block; 4 cuts them into several (flash attention's
+# online softmax across blocks, and queries and keys padded up to whole tiles).
+BLOCKS = [ATTENTION_BLOCK, 4]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,17 @@ def right_padded(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(positions < lengths[:, None], positions, -1).astype(np.int32)
 
 
+@pytest.mark.parametrize("attention_block", BLOCKS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_logits_match_transformers(models, family):
+def test_padded_batch_logits_match_transformers(models, family, attention_block):
     hf_model, config, params = models[family]
     rng = np.random.default_rng(0)
     lengths = np.array([SEQ, 11, 4])
     tokens = rng.integers(3, config.vocab_size, (3, SEQ)).astype(np.int32)
     tokens[np.arange(SEQ)[None] >= lengths[:, None]] = 0
     want = tiny_hf.logits(hf_model, tokens, lengths)
-    got, cache = jit_forward(params, tokens, right_padded(tokens, lengths), config=config)
+    got, cache = jit_forward(params, tokens, right_padded(tokens, lengths), config=config,
+                             attention_block=attention_block)
     assert cache is None
     got = np.asarray(got)
     assert got.dtype == np.float32 and np.isfinite(got).all()  # padded queries too
@@ -58,8 +63,9 @@ def test_padded_batch_logits_match_transformers(models, family):
     assert rel_error(got[valid], want[valid]) <= 1e-4
 
 
+@pytest.mark.parametrize("attention_block", BLOCKS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_three_turn_cache_continuation_matches_full_pass(models, family):
+def test_three_turn_cache_continuation_matches_full_pass(models, family, attention_block):
     """Chunks of different lengths per row (right-padded) through the cache == one pass over all tokens."""
     hf_model, config, params = models[family]
     turn_lengths = np.array([[5, 3, 4], [2, 6, 1], [7, 1, 3]])  # [row, turn]
@@ -76,7 +82,7 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family):
         for row, n in enumerate(turn_lengths[:, turn]):
             chunk[row, :n] = tokens[row, offsets[row] : offsets[row] + n]
             positions[row, :n] = np.arange(offsets[row], offsets[row] + n)
-        logits, cache = jit_forward(params, chunk, positions, cache, config=config)
+        logits, cache = jit_forward(params, chunk, positions, cache, config=config, attention_block=attention_block)
         for row, n in enumerate(turn_lengths[:, turn]):
             got[row, offsets[row] : offsets[row] + n] = np.asarray(logits[row, :n])
         offsets += turn_lengths[:, turn]

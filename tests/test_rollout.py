@@ -15,6 +15,7 @@ import dataclasses
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -88,6 +89,9 @@ class RecordingSampler:
     def __init__(self, sampler: Sampler):
         self.sampler, self.config = sampler, sampler.config
         self.turns: list[tuple[np.ndarray, TurnOutput]] = []
+
+    def sampling_params(self, params):
+        return self.sampler.sampling_params(params)
 
     def prefill(self, params, prompts):
         return self.sampler.prefill(params, prompts)
@@ -287,6 +291,9 @@ class ScriptedSampler:
         self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids, return_raw_logprobs=True)
         self.turn = [0] * len(scripts)
 
+    def sampling_params(self, params):
+        return params
+
     def prefill(self, params, prompts):
         return ScriptedState(np.ones(len(prompts), bool), len(prompts))
 
@@ -440,3 +447,48 @@ def test_padding_stays_inside_the_vocabulary(framing, model):
     tokenizer = types.SimpleNamespace(pad_token_id=model[0].vocab_size + 5)
     odd = types.SimpleNamespace(tokenizer=tokenizer, end_of_turn_ids=framing.end_of_turn_ids)
     assert RolloutConfig().sampling_config(odd).pad_id == 0
+
+
+class ParamsRecordingSampler(RecordingSampler):
+    """The real sampler, plus how often the engine made its copy of the params and what each call read."""
+
+    def __init__(self, sampler: Sampler):
+        super().__init__(sampler)
+        self.copies, self.read = 0, []
+
+    def sampling_params(self, params):
+        self.copies += 1
+        return super().sampling_params(params)
+
+    def prefill(self, params, prompts):
+        self.read.append(params)
+        return super().prefill(params, prompts)
+
+    def append(self, params, state, chunks, live=None):
+        self.read.append(params)
+        return super().append(params, state, chunks, live)
+
+    def generate(self, params, state, rng, limit=None):
+        self.read.append(params)
+        return super().generate(params, state, rng, limit)
+
+
+def test_a_bf16_sampler_copies_the_weights_once_per_run(framing, model, maze_url, task_info):
+    """Compute in bfloat16 over float32 weights: one bf16 copy per `run`, read by every turn of it."""
+    config, params = model
+    sampling = RolloutConfig(max_tokens_per_turn=MAX_NEW).sampling_config(framing)
+    bf16 = Sampler.for_decoder(
+        config, sampling, max_cache_len=2048, dtype=jnp.bfloat16,
+        batch_buckets=(4,), chunk_buckets=(128, 256), cache_buckets=(2048,),
+    )
+    recording = ParamsRecordingSampler(bf16)
+    rollout = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
+    with RolloutEngine(recording, framing, EnvPool(maze_url), task_info, rollout) as engine:
+        for run in range(2):
+            recording.read = []
+            trajectories = engine.run(params, [0, 1], 3, jax.random.key(run), policy_version=run)
+            assert [t.num_turns for t in trajectories] == [3] * 4
+            assert recording.copies == run + 1
+            assert len(recording.read) == 1 + 3 + 2  # prefill, 3 turns, 2 appends between them
+            assert all(p is recording.read[0] for p in recording.read)
+            assert {leaf.dtype for leaf in jax.tree.leaves(recording.read[0])} == {jnp.dtype(jnp.bfloat16)}

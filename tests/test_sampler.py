@@ -415,3 +415,116 @@ def test_ten_turns_after_warm_up_compile_nothing(qwen2, turn_sampler):
     with count_compilations() as compiled:
         rollout(3, seed=1)
     assert compiled == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler at scale: sharded over a mesh, bf16 weights and cache, a cache that grows in place.
+
+
+def _three_turns(sampler: Sampler, params, prompts, chunks, seed: int):
+    """prefill, then turn / append / turn / append / turn; returns each turn's tokens, log-probs, counts."""
+    params = sampler.sampling_params(params)
+    state = sampler.prefill(params, prompts)
+    turns = []
+    for turn_index in range(3):
+        state, turn = sampler.generate(params, state, jax.random.key(seed + turn_index))
+        turns.append(turn)
+        if turn_index < 2:
+            state, overflow = sampler.append(params, state, chunks[turn_index])
+            assert not overflow.any()
+    return state, turns
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_sharded_multi_turn_sampling_equals_one_device(qwen2, temperature):
+    """Three turns with environment chunks between them, the cache growing through three buckets:
+    on a 2x2x2 mesh (rows over data x fsdp, key/value heads over tensor) the same tokens and
+    log-probs as on one device, greedy and seeded (temperature 1, top-p 0.9)."""
+    _, config, params = qwen2
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 12, 3, 9, 7)]
+    chunks = [[rng.integers(3, config.vocab_size, n).tolist() for n in rng.integers(1, 12, 5)] for _ in range(2)]
+    sampling = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=0.9)
+    kw = dict(max_cache_len=96, cache_buckets=(32, 64, 96), chunk_buckets=(16,))
+    one = Sampler.for_decoder(config, sampling, batch_buckets=(8,), **kw)
+    _, want = _three_turns(one, params, prompts, chunks, seed=11)
+
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    shardings = SamplerShardings.for_mesh(mesh, params, config)
+    sharded = Sampler.for_decoder(config, sampling, shardings=shardings, **kw)
+    state, got = _three_turns(sharded, jax.device_put(params, shardings.params), prompts, chunks, seed=11)
+    assert state.cache.max_len == 96  # it grew 32 -> 64 -> 96
+    kv = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))
+    assert state.cache.k.sharding.is_equivalent_to(kv, 5)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        np.testing.assert_array_equal(g.stop, w.stop)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+
+
+def test_growing_the_cache_frees_the_old_one(qwen2):
+    """After a turn that grows the cache, the smaller buffers are gone (not live beside the new)."""
+    _, config, params = qwen2
+    sampler = Sampler.for_decoder(
+        config, SamplingConfig(max_new_tokens=8, temperature=0.0), max_cache_len=64,
+        cache_buckets=(16, 32, 64), chunk_buckets=(16,),
+    )
+    state = sampler.prefill(params, [[5, 6, 7], [8]])
+    small = state.cache
+    assert small.max_len == 16
+    state, _ = sampler.generate(params, state, jax.random.key(0))  # 16 + 8 slots needed: grows to 32
+    assert state.cache.max_len == 32
+    assert small.k.is_deleted() and small.v.is_deleted() and small.positions.is_deleted()
+
+
+def test_bf16_sampler_reads_one_bf16_copy_and_keeps_a_bf16_cache(qwen2):
+    """Compute in bfloat16 over float32 weights: `sampling_params` makes one bf16 copy (in the
+    sampler's param shardings, the value head left out), the KV cache is bf16 and sharded, and a
+    float32 sampler over float32 weights reads the weights themselves (no copy)."""
+    _, config, params = qwen2
+    with_critic = {**params, "value_head": decoder.init_value_head(config, jax.random.key(1))}
+    mesh = make_mesh(data=4, fsdp=1, tensor=2)
+    shardings = SamplerShardings.for_mesh(mesh, params, config)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    bf16 = Sampler.for_decoder(config, sampling, max_cache_len=64, dtype=jnp.bfloat16, shardings=shardings)
+    copy = bf16.sampling_params(jax.device_put(with_critic, {**shardings.params, "value_head": shardings.replicated}))
+    assert set(copy) == set(params)
+    for leaf, sharding, original in zip(jax.tree.leaves(copy), jax.tree.leaves(shardings.params), jax.tree.leaves(params)):
+        assert leaf.dtype == jnp.bfloat16 and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        np.testing.assert_array_equal(np.asarray(leaf, np.float32), np.asarray(original.astype(jnp.bfloat16), np.float32))
+    state, turn = bf16.generate(copy, bf16.prefill(copy, [[5, 6, 7], [8, 9]]), jax.random.key(0))
+    assert state.cache.k.dtype == state.cache.v.dtype == jnp.bfloat16
+    assert state.cache.k.sharding.is_equivalent_to(shardings.cache.k, 5)
+    assert turn.count.tolist() == [4, 4]
+
+    f32 = Sampler.for_decoder(config, sampling, max_cache_len=64, dtype=jnp.float32)
+    same = f32.sampling_params(with_critic)
+    assert set(same) == set(params) and all(a is b for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(params)))
+    assert f32.prefill(same, [[5]]).cache.k.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_the_jobs_sampler_is_sharded_with_its_cache_in_the_compute_dtype(tmp_path, compute):
+    """`build.make_sampler`: the job's mesh (2x2x2 here), rows and key/value heads sharded, and the
+    KV cache in `model.compute_dtype`."""
+    from agentgym_jax.models import build_tokenizer as bt
+    from agentgym_jax.models.chat import ChatFraming
+    from agentgym_jax.models.config import ModelConfig
+    from agentgym_jax.models.tokenizer import load_tokenizer
+    from agentgym_jax.train import build
+    from configs import quickstart
+
+    config = quickstart.get_config()
+    config.model.compute_dtype = compute
+    config.mesh.update(dict(data=2, fsdp=2, tensor=2))
+    framing = ChatFraming(load_tokenizer(bt.build_tokenizer(tmp_path, ["go north", "take the key"], 300)))
+    model = ModelConfig.small(vocab_size=len(framing.tokenizer))
+    sampler = build.make_sampler(config, model, framing, build.rollout_config(config))
+    params = sampler.sampling_params(decoder.init_params(model, jax.random.key(0)))
+    state = sampler.prefill(params, [[5, 6, 7]])
+    assert state.cache.k.dtype == state.cache.v.dtype == jnp.dtype(compute)
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(compute)}
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    kv = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))
+    assert state.cache.k.sharding.is_equivalent_to(kv, 5)
+    assert state.live.shape == (4,)  # the smallest batch bucket: one row per batch shard

@@ -31,8 +31,10 @@ from agentgym_jax.train.state import TrainState
 MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
 TX = optax.sgd(1e-2, momentum=0.9)  # momentum: an optimizer state that mirrors the params
-# Epochs x mini-batches x micro-batches and a KL term: the shared config of most tests below.
+# Epochs x mini-batches x micro-batches and a KL term: the shared config of most tests below, on
+# EPOCH_ROWS rows: 4 per micro-batch, one per batch shard of the largest mesh below (data 2 x fsdp 2).
 EPOCHS = steps.UpdateConfig(model=MODEL, ppo_epochs=3, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
+EPOCH_ROWS = 16
 rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
 
 
@@ -81,7 +83,7 @@ def single_device_update():
     """`EPOCHS` on one device from `_state()` on `_batch()`: (state, prepare metrics, update metrics)."""
     fns = step_fns(EPOCHS)
     state = _state()
-    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch())
+    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch(EPOCH_ROWS))
     state, metrics = fns.rl_update(state, rl_batch)
     return state, prep_metrics, metrics
 
@@ -185,7 +187,7 @@ def test_later_steps_of_the_same_shape_compile_nothing(single_device_update):
     """Counted as XLA backend compilations (`jax.monitoring` events, see `count_compilations`),
     after `single_device_update` compiled the steps: new batches, a fresh and a stepped state."""
     fns = step_fns(EPOCHS)
-    state, batches = _state(), [_batch(seed=seed) for seed in (1, 2)]
+    state, batches = _state(), [_batch(EPOCH_ROWS, seed=seed) for seed in (1, 2)]
     with count_compilations() as compiled:
         for batch in batches:
             rl_batch, _ = fns.prepare(state.params, state.params, batch)
@@ -203,7 +205,7 @@ def test_sharded_update_matches_single_device_and_compiles_once(shape, single_de
     shardings = steps.train_state_shardings(state, mesh)
     fns = steps.make_step_fns(EPOCHS, mesh, shardings)
     state = jax.device_put(state, shardings)
-    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch())
+    rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch(EPOCH_ROWS))
     state, metrics = fns.rl_update(state, rl_batch)
     assert_close(state.params, want_state.params)
     assert_close(state.opt_state, want_state.opt_state)
@@ -220,7 +222,7 @@ def test_sharded_update_matches_single_device_and_compiles_once(shape, single_de
     assert fns.row_shards == shape[0] * shape[1] and fns.padded_rows(5) == -(-5 // fns.row_shards) * fns.row_shards
 
     with count_compilations() as compiled:  # the outputs are already where the next step wants them
-        rl_batch, _ = fns.prepare(state.params, state.params, _batch(seed=1))
+        rl_batch, _ = fns.prepare(state.params, state.params, _batch(EPOCH_ROWS, seed=1))
         state, _ = fns.rl_update(state, rl_batch)
         jax.block_until_ready(state)
     assert compiled == []

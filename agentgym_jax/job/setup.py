@@ -248,13 +248,16 @@ def make_engine(
 
 
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
-    """A sampler that runs on the devices its params are on (give it params on `sampler_mesh`,
-    e.g. `distributed.to_local(params, job.mesh, job.sampler_mesh)`)."""
-    return Sampler.for_decoder(
+    """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
+    key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
+    compute dtype. Give it params on that mesh, e.g. `distributed.to_local(params, job.mesh,
+    job.sampler_mesh)`."""
+    return Sampler.sharded_decoder(
         model,
         rollout.sampling_config(framing),
+        sampler_mesh(config),
         max_cache_len=config.rollout.max_cache_len,
-        dtype=jnp.dtype(config.model.compute_dtype),
+        dtype=config.model.compute_dtype,
     )
 
 

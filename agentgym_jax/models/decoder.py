@@ -15,11 +15,15 @@ Parameter pytree (layer parameters carry a leading `[layers]` axis):
   final_norm/scale [hidden]                  value_head/{kernel [hidden], bias []} (optional)
 Dtype policy: parameters are stored in `param_dtype` (float32 or bfloat16); matmuls run in the
 compute `dtype`; norms, softmax and logits are computed in float32.
+Memory policy: a chunk of more than one token attends blockwise (`flash_attention`: online
+softmax over key blocks, never the whole [heads, seq, keys] score matrix, forward or backward);
+`remat` picks what each layer keeps for the backward pass (`REMAT_POLICIES`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -33,6 +37,41 @@ from agentgym_jax.models.config import ModelConfig, RopeConfig
 Params = dict[str, Any]
 _INIT = nn.initializers.normal(0.02)  # Hugging Face's initializer_range
 _MASKED = float(np.finfo(np.float32).min)  # finite: a query with no visible key stays finite
+ATTENTION_BLOCK = 512  # query and key positions per attention block (the score tile is block x block)
+# What a layer keeps for its backward pass: everything ("none": no remat), only its input, the
+# residual stream ("full"), or also the outputs of its projections, i.e. dots without batch
+# dimensions but not attention's batched score dots ("dots").
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_name(remat: str | bool) -> str:
+    """The `REMAT_POLICIES` key of `remat`; a bool is the older flag (True: "full", False: "none")."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; valid: {', '.join(REMAT_POLICIES)} (or a bool)")
+    return remat
+
+
+def block_layout(length: int, preferred: int) -> tuple[int, int]:
+    """(block, padded length) to cut `length` positions into blocks of about `preferred`.
+
+    One block when it fits; else the largest common divisor of the two if it is at least half
+    of `preferred` (bucketed lengths such as 768 or 12288 need no padding); else blocks of
+    `preferred` and the length padded up to their multiple.
+    """
+    if preferred < 1:
+        raise ValueError(f"block size must be >= 1, got {preferred}")
+    if length <= preferred:
+        return length, length
+    block = math.gcd(length, preferred)
+    if 2 * block >= preferred:
+        return block, length
+    return preferred, -(-length // preferred) * preferred
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -98,6 +137,169 @@ def grouped_attention(
     return out.reshape(batch, seq, heads, head_dim)
 
 
+def _block_scores(q, k, q_pos, k_pos):
+    """Scaled, masked scores [batch, kv, group, q_block, k_block] float32 of one tile, and its mask.
+
+    q [batch, q_block, kv, group, head_dim], k [batch, kv, k_block, head_dim], positions
+    [batch, q_block] and [batch, k_block]: the mask is `cache.attention_mask` of the tile.
+    """
+    mask = attention_mask(q_pos, k_pos)[:, None, None]  # [batch, 1, 1, q_block, k_block]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    return jnp.where(mask, scores, _MASKED), mask
+
+
+def _tiles(q, k, v, q_pos, k_pos, block_q, block_k):
+    """Queries [nq, batch, block_q, kv, group, head_dim] and keys, values [nk, batch, kv, block_k,
+    head_dim] cut into blocks, with their positions [nq, batch, block_q] and [nk, batch, block_k]."""
+    batch, seq, kv, group, dim = q.shape
+    keys = k.shape[2]
+    nq, nk = seq // block_q, keys // block_k
+    qb = q.reshape(batch, nq, block_q, kv, group, dim).swapaxes(0, 1)
+    kb, vb = (x.reshape(batch, kv, nk, block_k, dim).transpose(2, 0, 1, 3, 4) for x in (k, v))
+    return qb, kb, vb, q_pos.reshape(batch, nq, block_q).swapaxes(0, 1), k_pos.reshape(batch, nk, block_k).swapaxes(0, 1)
+
+
+def _untile_queries(x):
+    """[nq, batch, block_q, ...] -> [batch, nq * block_q, ...]."""
+    return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
+    """out [batch, seq, kv, group, head_dim] (q's dtype) and logsumexp [batch, kv, group, seq] float32."""
+    qb, kb, vb, qpb, kpb = _tiles(q, k, v, q_pos, k_pos, block_q, block_k)
+
+    def query_block(inputs):
+        qi, qpi = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q]
+
+        def key_block(carry, kv_block):
+            running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
+            kj, vj, kpj = kv_block
+            scores, _ = _block_scores(qi, kj, qpi, kpj)
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            probs = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(running_max - new_max)
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum(
+                "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return (new_max, total, acc), None
+
+        stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
+        init = (
+            jnp.full(stats_shape, _MASKED, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros((*stats_shape, qi.shape[-1]), jnp.float32),
+        )
+        (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb))
+        out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [batch, block_q, kv, group, d]
+        return out, running_max + jnp.log(total)
+
+    out, lse = jax.lax.map(query_block, (qb, qpb))  # [nq, batch, block_q, ...], [nq, batch, kv, group, block_q]
+    lse = lse.transpose(1, 2, 3, 0, 4)  # [batch, kv, group, nq, block_q]
+    return _untile_queries(out), lse.reshape(*lse.shape[:3], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, q_pos, k_pos, block_q, block_k):
+    return _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k)[0]
+
+
+def _flash_fwd(q, k, v, q_pos, k_pos, block_q, block_k):
+    out, lse = _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k)
+    return out, (q, k, v, q_pos, k_pos, out, lse)
+
+
+def _flash_bwd(block_q, block_k, residuals, d_out):
+    """FlashAttention-2's backward: each tile's probabilities recomputed from the saved logsumexp,
+    one pass over query blocks for dq and one over key blocks for dk, dv."""
+    q, k, v, q_pos, k_pos, out, lse = residuals
+    # [batch, kv, group, seq]: rowsum(d_out * out), the softmax's Jacobian term
+    delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    qb, kb, vb, qpb, kpb = _tiles(q, k, v, q_pos, k_pos, block_q, block_k)
+    dob = _tiles(d_out, k, v, q_pos, k_pos, block_q, block_k)[0]
+    nq = qb.shape[0]
+    lse_b, delta_b = (x.reshape(*x.shape[:3], nq, block_q).transpose(3, 0, 1, 2, 4) for x in (lse, delta))
+    scale = q.shape[-1] ** -0.5
+
+    def tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj):
+        """probs and d(scores) [batch, kv, group, block_q, block_k] float32 of one tile."""
+        scores, mask = _block_scores(qi, kj, qpi, kpj)
+        probs = jnp.exp(scores - lse_i[..., None])
+        d_probs = jnp.einsum("btkgd,bksd->bkgts", doi, vj, preferred_element_type=jnp.float32)
+        return probs, jnp.where(mask, probs * (d_probs - delta_i[..., None]), 0.0)
+
+    def dq_block(inputs):
+        qi, doi, lse_i, delta_i, qpi = inputs
+
+        def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
+            kj, vj, kpj = kv_block
+            _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
+                                   preferred_element_type=jnp.float32), None
+
+        batch, block, kv, group, dim = qi.shape
+        dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb))
+        return (dq * scale).transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+    def dkv_block(inputs):
+        kj, vj, kpj = inputs
+
+        def step(carry, q_block):
+            dk, dv = carry
+            qi, doi, lse_i, delta_i, qpi = q_block
+            probs, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
+            dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            return (dk, dv), None
+
+        zeros = jnp.zeros(kj.shape, jnp.float32)
+        (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb))
+        return (dk * scale).astype(k.dtype), dv.astype(v.dtype)
+
+    dq = _untile_queries(jax.lax.map(dq_block, (qb, dob, lse_b, delta_b, qpb)))
+    dk, dv = jax.lax.map(dkv_block, (kb, vb, kpb))  # [nk, batch, kv, block_k, head_dim]
+    untile_keys = lambda x: x.transpose(1, 2, 0, 3, 4).reshape(k.shape)  # noqa: E731
+    return dq, untile_keys(dk), untile_keys(dv), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    *,
+    block_q: int = ATTENTION_BLOCK,
+    block_k: int = ATTENTION_BLOCK,
+) -> jax.Array:
+    """Grouped-query attention by tiles, causal by position, in O(seq x block) memory.
+
+    q [batch, seq, heads, head_dim]; k, v [batch, kv_heads, keys, head_dim] (head-major, the
+    cache's layout); positions [batch, seq] and [batch, keys] int (-1: padding, never attended).
+    The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
+    k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
+    recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
+    scores. Plain XLA, so it runs on every backend. Returns [batch, seq, heads, head_dim].
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    block_q, seq_pad = block_layout(seq, block_q)
+    block_k, keys_pad = block_layout(keys, block_k)
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
+    q_positions, k_positions = q_positions.astype(jnp.int32), k_positions.astype(jnp.int32)
+    if seq_pad > seq:
+        q = jnp.pad(q, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0), (0, 0)))
+        q_positions = jnp.pad(q_positions, ((0, 0), (0, seq_pad - seq)), constant_values=-1)
+    if keys_pad > keys:
+        k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, keys_pad - keys), (0, 0))) for x in (k, v))
+        k_positions = jnp.pad(k_positions, ((0, 0), (0, keys_pad - keys)), constant_values=-1)
+    out = _flash(q, k, v, q_positions, k_positions, block_q, block_k)
+    return out[:, :seq].reshape(batch, seq, heads, head_dim)
+
+
 class RMSNorm(nn.Module):
     eps: float
     param_dtype: jnp.dtype = jnp.float32
@@ -117,17 +319,20 @@ class Attention(nn.Module):
     slots, head_dim], read only, and the chunk's new (k, v) [batch, kv_heads, seq, head_dim] are
     returned for the caller to write. `layer=i` (layers as a Python loop): `layer_cache` is the
     whole stacked (k, v) [layers, batch, kv_heads, slots, head_dim]; the chunk is written into
-    layer i in place and the updated stack is returned.
+    layer i in place and the updated stack is returned. A one-token chunk (a decode step) attends
+    with `grouped_attention`; longer chunks with `flash_attention`.
     """
 
     config: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     layer: int | None = None
+    attention_block: int = ATTENTION_BLOCK
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
-        """x [batch, seq, hidden]; cached keys are visible by `cache_mask` [batch, seq, slots]."""
+    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
+        """x [batch, seq, hidden] at `positions` [batch, seq]; `cache_positions` [batch, slots]
+        are the cached slots' positions before this chunk is written (-1: empty)."""
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         q = nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x)
@@ -138,13 +343,17 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # head-major, like the cache
+        blocks = dict(block_q=self.attention_block, block_k=self.attention_block)
         if layer_cache is None:
-            out = grouped_attention(q, ((k, v, mask),))
+            out = flash_attention(q, k, v, positions, positions, **blocks)
             new_kv = None
         elif self.layer is None and x.shape[1] == 1:
             # decode under the scan: the cached keys (read only) and the new one, written after
             cache_k, cache_v = layer_cache
-            segments = ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), cache_mask), (k, v, mask))
+            segments = (
+                (cache_k.astype(self.dtype), cache_v.astype(self.dtype), attention_mask(positions, cache_positions)),
+                (k, v, attention_mask(positions, positions)),
+            )
             out, new_kv = grouped_attention(q, segments), (k, v)
         else:
             # write the chunk first (slots >= index are empty and masked), then attend over the
@@ -156,8 +365,12 @@ class Attention(nn.Module):
                 jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start) for buf, new in zip(layer_cache, chunk)
             )
             cache_k, cache_v = written if self.layer is None else (buf[self.layer] for buf in written)
-            chunk_mask = jax.lax.dynamic_update_slice(cache_mask, mask, (0, 0, index))
-            out = grouped_attention(q, ((cache_k.astype(self.dtype), cache_v.astype(self.dtype), chunk_mask),))
+            cache_k, cache_v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
+            key_positions = jax.lax.dynamic_update_slice(cache_positions, positions.astype(jnp.int32), (0, index))
+            if x.shape[1] == 1:
+                out = grouped_attention(q, ((cache_k, cache_v, attention_mask(positions, key_positions)),))
+            else:
+                out = flash_attention(q, cache_k, cache_v, positions, key_positions, **blocks)
             new_kv = (k, v) if self.layer is None else written
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
         return out, new_kv
@@ -184,12 +397,14 @@ class Block(nn.Module):
     param_dtype: jnp.dtype
     activation_sharding: jax.sharding.Sharding | None = None
     layer: int | None = None  # set when the layers run as a Python loop (see `Attention`)
+    attention_block: int = ATTENTION_BLOCK
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, mask, cache_mask, index):
+    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, new_kv = Attention(c, layer=self.layer, name="attn", **kw)(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, mask, cache_mask, index
+        h, new_kv = Attention(c, layer=self.layer, attention_block=self.attention_block, name="attn", **kw)(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, positions,
+            cache_positions, index,
         )
         x = x + h
         x = x + MLP(c, name="mlp", **kw)(RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
@@ -202,15 +417,19 @@ class Decoder(nn.Module):
     """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32.
 
     `scan_layers=False` runs the layers as a Python loop over per-layer parameters `layers_<i>`
-    (see `unstack_layers`) instead of `nn.scan` over the stacked `layers`.
+    (see `unstack_layers`) instead of `nn.scan` over the stacked `layers`. `project=False` stops
+    at the final hidden states (logits None): the training losses project them to the vocabulary
+    a chunk of positions at a time (`output_head`).
     """
 
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    remat: bool = False
+    remat: str | bool = "none"  # a key of REMAT_POLICIES (or the older bool)
     activation_sharding: jax.sharding.Sharding | None = None
     scan_layers: bool = True
+    project: bool = True
+    attention_block: int = ATTENTION_BLOCK
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None):
@@ -223,14 +442,15 @@ class Decoder(nn.Module):
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
-        mask = attention_mask(positions, positions)  # [batch, seq, seq]: the chunk's own keys
-        layer_cache = cache_mask = index = None
+        positions = positions.astype(jnp.int32)
+        layer_cache = cache_positions = index = None
         if cache is not None:  # the cached keys; slots >= index are still empty (position -1)
-            layer_cache, cache_mask = (cache.k, cache.v), attention_mask(positions, cache.positions)
-            index = cache.index
+            layer_cache, cache_positions, index = (cache.k, cache.v), cache.positions, cache.index
 
-        block = nn.remat(Block, prevent_cse=False) if self.remat else Block
+        policy = remat_name(self.remat)
+        block = Block if policy == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[policy])
         block_args = (c, self.dtype, self.param_dtype, self.activation_sharding)
+        block_kw = dict(attention_block=self.attention_block)
         # Under the scan the cache is a read-only input (each layer reads its slice) and only the
         # chunk's new keys and values come out, [layers, batch, kv_heads, seq, head_dim]: a step
         # never copies the cache through the scan; they go in below with one in-place update.
@@ -241,22 +461,24 @@ class Decoder(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(*block_args, name="layers")
-            x, new_kv = layers(x, layer_cache, cos, sin, mask, cache_mask, index)
+            )(*block_args, **block_kw, name="layers")
+            x, new_kv = layers(x, layer_cache, cos, sin, positions, cache_positions, index)
         else:  # each layer writes its keys into the stacked cache in place, then attends
             for i in range(c.num_layers):
-                x, layer_cache = block(*block_args, layer=i, name=f"layers_{i}")(
-                    x, layer_cache, cos, sin, mask, cache_mask, index
+                x, layer_cache = block(*block_args, layer=i, **block_kw, name=f"layers_{i}")(
+                    x, layer_cache, cos, sin, positions, cache_positions, index
                 )
         hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
 
-        if c.tie_word_embeddings:
-            head = embed.embedding.T  # [hidden, vocab]
-        else:
-            head = self.param("lm_head", _INIT, (c.hidden_size, c.vocab_size), self.param_dtype)
-        logits = jnp.einsum(
-            "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
-        )
+        logits = None
+        if self.project:
+            if c.tie_word_embeddings:
+                head = embed.embedding.T  # [hidden, vocab]
+            else:
+                head = self.param("lm_head", _INIT, (c.hidden_size, c.vocab_size), self.param_dtype)
+            logits = jnp.einsum(
+                "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
+            )
         new_cache = None
         if cache is not None:  # the chunk goes at slots index .. index + seq
             write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, 0, 0, index, 0))
@@ -264,7 +486,7 @@ class Decoder(nn.Module):
             new_cache = KVCache(
                 k=k,
                 v=v,
-                positions=jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index)),
+                positions=jax.lax.dynamic_update_slice(cache.positions, positions, (0, index)),
                 index=index + tokens.shape[1],
             )
         return logits, hidden, new_cache
@@ -332,27 +554,61 @@ def forward(
     *,
     config: ModelConfig,
     dtype: jnp.dtype | None = None,
-    remat: bool = False,
+    remat: str | bool = "none",
     return_hidden: bool = False,
     activation_sharding: jax.sharding.Sharding | None = None,
+    attention_block: int = ATTENTION_BLOCK,
 ):
     """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
 
     With a cache, the chunk is written at slots `cache.index .. cache.index + seq` (the caller makes
     sure it fits: `dynamic_update_slice` clamps, it does not raise) and the returned cache's index has
     advanced by seq. Without one, attention stays within the given rows (training).
-    `dtype` is the compute dtype (default: the parameters' dtype); `remat` recomputes each layer's
-    activations in the backward pass; `activation_sharding` pins the residual stream
-    [batch, seq, hidden] (see `parallel.partition.activation_sharding`). `params` may have their
-    layers stacked (`layers`, as initialised and loaded) or split by `unstack_layers`.
+    `dtype` is the compute dtype (default: the parameters' dtype); `remat` is what each layer keeps
+    for the backward pass (a key of `REMAT_POLICIES`); `activation_sharding` pins the residual stream
+    [batch, seq, hidden] (see `parallel.partition.activation_sharding`); `attention_block` is the
+    tile size of `flash_attention`. `params` may have their layers stacked (`layers`, as
+    initialised and loaded) or split by `unstack_layers`.
     Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
     [batch, seq, hidden] (input of `value_head`) when `return_hidden`.
     """
-    backbone = {name: p for name, p in params.items() if name != "value_head"}
-    dtype = dtype or backbone["embed"]["embedding"].dtype
-    model = Decoder(
-        config, dtype=dtype, remat=remat, activation_sharding=activation_sharding,
-        scan_layers="layers" in backbone,
+    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, attention_block, True, config).apply(
+        {"params": _backbone(params)}, tokens, positions, cache
     )
-    logits, hidden, new_cache = model.apply({"params": backbone}, tokens, positions, cache)
     return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
+
+
+def hidden_states(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: ModelConfig,
+    dtype: jnp.dtype | None = None,
+    remat: str | bool = "none",
+    activation_sharding: jax.sharding.Sharding | None = None,
+    attention_block: int = ATTENTION_BLOCK,
+) -> jax.Array:
+    """The final (normed) hidden states [batch, seq, hidden] of `forward` without a cache, in the
+    compute dtype, without projecting to the vocabulary (see `output_head`)."""
+    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, attention_block, False, config).apply(
+        {"params": _backbone(params)}, tokens, positions, None
+    )
+    return hidden
+
+
+def output_head(params: Params, config: ModelConfig) -> jax.Array:
+    """[hidden, vocab] in the parameters' dtype: logits = hidden states @ this (tied or `lm_head`)."""
+    return params["embed"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]
+
+
+def _backbone(params: Params) -> Params:
+    return {name: p for name, p in params.items() if name != "value_head"}
+
+
+def _decoder(params, dtype, remat, activation_sharding, attention_block, project, config) -> Decoder:
+    return Decoder(
+        config, dtype=dtype or params["embed"]["embedding"].dtype, remat=remat,
+        activation_sharding=activation_sharding, scan_layers="layers" in params, project=project,
+        attention_block=attention_block,
+    )

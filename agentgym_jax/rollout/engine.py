@@ -216,7 +216,8 @@ class RolloutEngine:
             raise ValueError("run needs at least one task id")
         if self.task_info is None:
             self.task_info = await self.pool.tasks()
-        rollout = _Rollout(self, params, rng, horizon)
+        # The sampler's copy of the params (bf16 under bf16 compute), made once for the whole run.
+        rollout = _Rollout(self, self.sampler.sampling_params(params), rng, horizon)
         n = self.config.group_size
         episodes = [
             _Episode(slot=i * n + j, task_id=int(task), group_id=group_offset + i, sample_idx=j)

@@ -42,6 +42,8 @@ from agentgym_jax.sampling.step import Params, StepFn, decoder_step
 InitCacheFn = Callable[[int, int], KVCache]
 # params -> the form the step reads inside the decode loop (e.g. `decoder.unstack_layers`)
 LoopParamsFn = Callable[[Params], Params]
+# the caller's params -> the copy every call of one rollout reads (e.g. the policy in the compute dtype)
+SamplingParamsFn = Callable[[Params], Params]
 
 
 class StopReason(enum.IntEnum):
@@ -177,6 +179,11 @@ def decode(
     return c.cache, c.logits, live, (c.tokens, c.count, c.logprobs, c.raw_logprobs, stop)
 
 
+def cast_floating(dtype: jnp.dtype, params: Params) -> Params:
+    """`params` with every floating-point leaf in `dtype` (integer leaves unchanged)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with `max_len` slots; the new slots are empty (position -1)."""
     extra = max_len - cache.max_len
@@ -236,6 +243,21 @@ class SamplerShardings:
         return jax.sharding.NamedSharding(self.batch.mesh, jax.sharding.PartitionSpec())
 
 
+def _policy_weights_fn(dtype: jnp.dtype, shardings: SamplerShardings | None) -> SamplingParamsFn:
+    """params -> the decoder's weights without the value head, floating leaves in `dtype`
+    (placed in `shardings.params`): a jitted cast when a leaf has another dtype, else no copy."""
+    cast = jax.jit(functools.partial(cast_floating, dtype), out_shardings=shardings.params if shardings else None)
+
+    def policy_weights(params: Params) -> Params:
+        policy = {name: p for name, p in params.items() if name != "value_head"}  # the sampler never reads the critic
+        floating = [x for x in jax.tree.leaves(policy) if jnp.issubdtype(x.dtype, jnp.floating)]
+        if any(x.dtype != dtype for x in floating):
+            return cast(policy)
+        return policy if shardings is None else jax.device_put(policy, shardings.params)  # no-op when in place
+
+    return policy_weights
+
+
 class Sampler:
     """Prefill, sample a turn, append environment tokens, sample the next turn, ...
 
@@ -253,7 +275,11 @@ class Sampler:
     and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
+    Growing frees the smaller cache at once (XLA cannot alias buffers of different shapes, so the
+    old one is deleted explicitly): old and new are only both live during the copy.
     With `shardings`, every jitted function gets explicit in/out shardings over its mesh.
+    `sampling_params_fn` (optional) maps the caller's params to the copy the sampler reads;
+    `sampling_params(params)` applies it, once per rollout (`RolloutEngine.run` does).
     """
 
     def __init__(
@@ -268,8 +294,11 @@ class Sampler:
         cache_buckets: Sequence[int] | None = None,
         shardings: SamplerShardings | None = None,
         loop_params_fn: LoopParamsFn | None = None,
+        sampling_params_fn: SamplingParamsFn | None = None,
     ):
         self.config = config
+        self.shardings = shardings
+        self._sampling_params_fn = sampling_params_fn
         self.max_cache_len = max_cache_len
         row_shards = shardings.row_shards if shardings else 1
         self.batch_buckets = buckets.check_buckets(
@@ -289,9 +318,14 @@ class Sampler:
         self._vocab_size: int | None = None
         jit = functools.partial(_jit, shardings)
         self._init_cache = jit(init_cache_fn, ("static", "static"), "cache", static_argnums=(0, 1))
-        # The cache and logits are donated: each call updates them in place.
+        # The cache and logits are donated: each call updates them in place. With `loop_params_fn`
+        # an append runs on the per-layer params too: each layer then writes its keys into the
+        # cache in place, where the scan over stacked layers copies every layer's slice of it.
+        append = functools.partial(append_chunk, step_fn)
+        if loop_params_fn is not None:
+            append = lambda params, *rest: append_chunk(step_fn, loop_params_fn(params), *rest)  # noqa: E731
         self._append = jit(
-            functools.partial(append_chunk, step_fn),
+            append,
             ("params", "cache", "batch", "batch", "batch"),
             ("cache", "batch"),
             donate_argnums=(1, 2),
@@ -302,7 +336,7 @@ class Sampler:
             ("cache", "batch", "batch", ("batch",) * 5),
             donate_argnums=(1, 2),
         )
-        # Growing pads into a bigger buffer, so donation would not save a copy.
+        # Growing pads into a bigger buffer: donation cannot alias it, `_ensure_capacity` frees the old one.
         self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
     @classmethod
@@ -313,17 +347,53 @@ class Sampler:
         *,
         max_cache_len: int,
         dtype: jnp.dtype | None = None,
-        cache_dtype: jnp.dtype = jnp.float32,
+        cache_dtype: jnp.dtype | None = None,
         shardings: SamplerShardings | None = None,
         **buckets_kw,
     ) -> Sampler:
-        """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype)."""
+        """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype).
+
+        The KV cache is kept in `cache_dtype`, by default the compute dtype (float32 without one).
+        With a compute `dtype`, `sampling_params` gives the policy's weights (no value head) in
+        that dtype: a copy when they are stored in another one (float32 master weights), the same
+        arrays otherwise.
+        """
         step_fn = decoder_step(model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None)
+        cache_dtype = cache_dtype or dtype or jnp.float32
         init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
+        policy_fn = None if dtype is None else _policy_weights_fn(jnp.dtype(dtype), shardings)
         return cls(
             step_fn, init_cache_fn, config, max_cache_len=max_cache_len, shardings=shardings,
-            loop_params_fn=decoder.unstack_layers, **buckets_kw,
+            loop_params_fn=decoder.unstack_layers, sampling_params_fn=policy_fn, **buckets_kw,
         )
+
+    @classmethod
+    def sharded_decoder(
+        cls,
+        model_config: ModelConfig,
+        config: SamplingConfig,
+        mesh: jax.sharding.Mesh,
+        *,
+        max_cache_len: int,
+        dtype: jnp.dtype,
+        **buckets_kw,
+    ) -> Sampler:
+        """`for_decoder` laid out on `mesh` the project's way (`SamplerShardings.for_mesh`), with
+        its weights and KV cache in the compute `dtype`: what a job samples with."""
+        dtype = jnp.dtype(dtype)
+        weights = jax.eval_shape(functools.partial(decoder.init_params, model_config, param_dtype=dtype), jax.random.key(0))
+        return cls.for_decoder(
+            model_config, config, max_cache_len=max_cache_len, dtype=dtype, cache_dtype=dtype,
+            shardings=SamplerShardings.for_mesh(mesh, weights, model_config), **buckets_kw,
+        )
+
+    def sampling_params(self, params: Params) -> Params:
+        """The params every prefill/append/generate of one rollout reads (see `sampling_params_fn`).
+
+        Call it once per rollout, not per turn: for a bfloat16 sampler over float32 weights it
+        makes the bfloat16 copy, which then serves every turn.
+        """
+        return params if self._sampling_params_fn is None else self._sampling_params_fn(params)
 
     def _vocab(self, params: Params, cache: KVCache) -> int:
         """The model's vocabulary size, read once from the shape of its output (no compilation)."""
@@ -339,7 +409,12 @@ class Sampler:
     def _ensure_capacity(self, cache: KVCache, needed: int) -> KVCache:
         """Grows the cache to the bucket holding `needed` slots (at most max_cache_len)."""
         target = self._cache_bucket(needed)
-        return self._grow(cache, target) if target > cache.max_len else cache
+        if target <= cache.max_len:
+            return cache
+        grown = self._grow(cache, target)
+        for old in (cache.k, cache.v, cache.positions):  # the caller's state held them: free them now
+            old.delete()
+        return grown
 
     def _pad_chunks(self, chunks: Sequence[Sequence[int]], live: np.ndarray, batch: int):
         """Right-pads the live rows' chunks to a chunk bucket: (tokens [batch, T], lengths [batch])."""

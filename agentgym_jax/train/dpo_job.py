@@ -45,7 +45,7 @@ from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch, update_config
 from agentgym_jax.train.metrics import MetricsLogger
-from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_shardings
 
 
@@ -148,8 +148,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
-        ref_params = jax.tree.map(lambda x: x.copy(), state.params)
-        fns = make_dpo_step_fns(update_config(config, model), config.dpo.beta, mesh, shardings)
+        updates = update_config(config, model)
+        ref_params = reference_params(state.params, updates.compute_dtype)
+        fns = make_dpo_step_fns(updates, config.dpo.beta, mesh, shardings)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0

@@ -165,6 +165,7 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
             is_cap=a.is_cap,
             compute_dtype=config.model.compute_dtype,
             remat=config.model.remat,
+            logprob_chunk=config.model.logprob_chunk,
         )
     except ValueError as e:
         raise ConfigError(f"config.algo: {e}") from e

@@ -35,7 +35,7 @@ from agentgym_jax.train.jobs import (
 )
 from agentgym_jax.train.metrics import MetricsLogger, read_metrics
 from agentgym_jax.train.sft import sft_num_updates, sft_train
-from agentgym_jax.train.state import TrainState, make_optimizer
+from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 
@@ -69,7 +69,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
 
         if resuming:
-            (state, ref_params, *critic), meta = ckpt.restore((state, params, *critic))
+            (state, ref_params, *critic), meta = ckpt.restore(
+                (state, reference_params(params, updates.compute_dtype), *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -91,7 +92,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 fresh_opt = jax.jit(state.tx.init, out_shardings=state_shardings.opt_state)  # placed like the state
                 state = state.replace(params=sft_state.params, opt_state=fresh_opt(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
-            ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+            ref_params = reference_params(state.params, updates.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
             meta["eval_before"] = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)

@@ -2,7 +2,11 @@
 
 Everything a jitted update reads or writes is in `TrainState`: parameters, optimizer state, the
 step counter, the RNG key and a count of skipped (non-finite) updates. The frozen reference
-policy is a separate params pytree passed alongside, never updated.
+policy is a separate params pytree passed alongside, never updated (`reference_params`).
+
+Precision: the parameters are the master weights (float32 in the large-model configs; bfloat16
+storage also trains), the optimizer state keeps the dtypes `tx.init` gave it, gradients arrive in
+float32 (`steps.accumulated_update`), and the forward passes cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class TrainState:
         checked = jax.tree.leaves(grads) + ([loss] if loss is not None else [])
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in checked]))
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        # float32 gradients would promote bfloat16 moments; each state keeps its dtype (and a
+        # scanned update its carry type). `apply_updates` casts to the parameters' dtype.
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, self.opt_state)
         params = optax.apply_updates(self.params, updates)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         return self.replace(
@@ -49,6 +56,17 @@ class TrainState:
             step=self.step + finite.astype(jnp.int32),
             skipped_updates=self.skipped_updates + (~finite).astype(jnp.int32),
         )
+
+
+def reference_params(params: Any, compute_dtype: str | None) -> Any:
+    """A frozen copy of `params` for the reference policy, stored in the compute dtype (None: as is).
+
+    It is only ever read by forward passes in that dtype and has no optimizer, so float32 master
+    weights would be twice the memory for nothing. A copy even in the same dtype: the train state
+    is donated to the update, the reference must not share its buffers.
+    """
+    dtype = jnp.dtype(compute_dtype) if compute_dtype else None
+    return jax.tree.map(lambda x: x.copy() if dtype is None or x.dtype == dtype else x.astype(dtype), params)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:

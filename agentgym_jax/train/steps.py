@@ -3,10 +3,16 @@
 `prepare` turns a `TokenBatch` of trajectories into an `RLBatch` (trainer log-probs of the
 sampled tokens, reference log-probs, critic values, advantages, returns) once per rollout batch;
 `rl_update` then runs `ppo_epochs` epochs over shuffled mini-batches, each mini-batch one
-optimizer update whose gradient is accumulated over micro-batches. Micro-batch losses are
-weighted by their share of the mini-batch's tokens (or sequences, for the seq-mean modes), so
-accumulation gives exactly the gradient of the whole mini-batch. An update whose loss or
-gradient is not finite is skipped and counted (`TrainState.apply_gradients`).
+optimizer update whose gradient is accumulated (in float32) over micro-batches. Micro-batch
+losses are weighted by their share of the mini-batch's tokens (or sequences, for the seq-mean
+modes), so accumulation gives exactly the gradient of the whole mini-batch. An update whose loss
+or gradient is not finite is skipped and counted (`TrainState.apply_gradients`).
+
+Memory does not grow with the batch, seq x vocab or seq x seq: `prepare` scores the batch one
+micro-batch at a time (the update's micro-batch size), log-probs and entropies are computed a
+chunk of `logprob_chunk` positions at a time (the [rows, seq, vocab] logits never exist, in the
+backward pass neither), attention is blockwise (`decoder.flash_attention`), and `remat` picks
+what each layer keeps for the backward pass.
 
 `make_step_fns` jits the three steps once per run: plainly on one device, or over a mesh with
 explicit in/out shardings (`train_state_shardings` for the state, batch rows over
@@ -29,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import forward, value_head
+from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, value_head
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, DISCOUNTS, compute_advantages, estimator_hparams
@@ -89,7 +95,8 @@ class UpdateConfig:
     decoupled_ppo: bool = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
     is_cap: float = 2.0  # truncation (TIS) or drop (decoupled PPO) threshold of the weights
     compute_dtype: str | None = None  # None: the parameters' dtype
-    remat: bool = False
+    remat: str | bool = "none"  # what each layer keeps for the backward: a key of decoder.REMAT_POLICIES
+    logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
 
@@ -128,6 +135,9 @@ class UpdateConfig:
             raise ValueError(f"advantage_hparams sets {doubled}: they are UpdateConfig fields (algo.<name>)")
         if unknown := sorted(set(given) - estimator_hparams(self.advantage)):
             raise ValueError(f"{self.advantage} takes no {unknown}; valid: {sorted(estimator_hparams(self.advantage))}")
+        remat_name(self.remat)  # raises on an unknown policy, naming the valid ones
+        if self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
 
     @property
     def uses_critic(self) -> bool:
@@ -182,26 +192,28 @@ def token_logprobs(
 
     Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
     entry 0 has no prefix and is 0. Log-probs and entropy are of `logits / temperature`, the
-    distribution the sampler drew from at that temperature. Materialises [batch, seq, vocab]
-    logits: size micro-batches for it.
+    distribution the sampler drew from at that temperature. The trunk runs once to the final
+    hidden states; the vocabulary projection, log-softmax and gather then run `logprob_chunk`
+    positions at a time (`chunked_logprobs`), so the [batch, seq, vocab] logits are never held.
     """
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
     if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
         spec = fit_spec(activations.spec, (*tokens.shape, config.model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
-    logits, _, hidden = forward(
-        params, tokens, positions, None, config=config.model, dtype=dtype, remat=config.remat,
-        return_hidden=True, activation_sharding=activations,
+    hidden = hidden_states(
+        params, tokens, positions, config=config.model, dtype=dtype, remat=config.remat,
+        activation_sharding=activations,
+    )  # [batch, seq, hidden]
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
+    logp, entropy = chunked_logprobs(
+        hidden, output_head(params, config.model), targets, config.logprob_chunk, temperature
     )
-    logits = logits[:, :-1] / temperature  # [batch, seq - 1, vocab]: predictions of tokens 1..seq-1
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
-    entropy = entropy_from_logits(logits)
     if config.shared_value_head:
-        values = value_head(params, hidden)[:, :-1]  # value of the state each token is sampled in
+        values = value_head(params, hidden)  # value of the state each token is sampled in
     else:
         values = jnp.zeros_like(logp)
-    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731
     return shift(logp), shift(entropy), shift(values)
 
 
@@ -215,9 +227,39 @@ def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, c
     if activations is not None:
         spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
-    _, _, hidden = forward(critic_params, tokens, positions, None, config=model, dtype=dtype, remat=config.remat,
-                           return_hidden=True, activation_sharding=activations)
+    hidden = hidden_states(critic_params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
+                           activation_sharding=activations)
     return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+
+
+def chunked_logprobs(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """log p(targets) and the entropy at every position under `logits / temperature`, each
+    [batch, seq] float32.
+
+    hidden [batch, seq, hidden] (compute dtype), head [hidden, vocab], targets [batch, seq] int.
+    A `lax.map` over chunks of `chunk` positions, each rematerialised: forward and backward hold
+    one [batch, chunk, vocab] block of logits at a time, never [batch, seq, vocab].
+    """
+    batch, seq, width = hidden.shape
+    chunk, padded = block_layout(seq, chunk)
+    if padded > seq:
+        hidden = jnp.pad(hidden, ((0, 0), (0, padded - seq), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, padded - seq)))
+    head = head.astype(hidden.dtype)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def block(inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h, t = inputs  # [batch, chunk, hidden], [batch, chunk]
+        logits = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32) / temperature
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), t[..., None], axis=-1)[..., 0]
+        return logp, entropy_from_logits(logits)
+
+    blocks = (hidden.reshape(batch, -1, chunk, width).swapaxes(0, 1), targets.reshape(batch, -1, chunk).swapaxes(0, 1))
+    logp, entropy = jax.lax.map(block, blocks)  # [chunks, batch, chunk] each
+    merge = lambda x: x.swapaxes(0, 1).reshape(batch, padded)[:, :seq]  # noqa: E731
+    return merge(logp), merge(entropy)
 
 
 def prepare(
@@ -225,6 +267,8 @@ def prepare(
 ) -> tuple[RLBatch, Metrics]:
     """Scores a rollout batch with the current and the reference policy and computes advantages.
 
+    The forward passes run one micro-batch at a time, micro-batches of the update's size
+    (`num_minibatches x num_microbatches` strided parts, as `_split` cuts them).
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
     separate critic's (`config.separate_critic`), else None.
@@ -233,14 +277,20 @@ def prepare(
         raise ValueError(f"critic={config.critic!r} with advantage={config.advantage!r}: critic_params must be "
                          f"{'given' if config.separate_critic else 'None'}")
     mask = batch.loss_mask
+    check_microbatches(batch.tokens.shape[0], config)
+    parts = config.num_minibatches * config.num_microbatches
     temperature = config.temperature
-    old_logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, temperature)
-    if config.separate_critic:
-        values = critic_values(critic_params, batch.tokens, batch.positions, config)
-    if config.uses_reference:
-        ref_logprobs, _, _ = token_logprobs(ref_params, batch.tokens, batch.positions, config, temperature)
-    else:
-        ref_logprobs = old_logprobs
+
+    def score(rows: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        old_logprobs, entropy, values = token_logprobs(params, *rows, config, temperature)
+        if config.separate_critic:
+            values = critic_values(critic_params, *rows, config)
+        ref_logprobs = (token_logprobs(ref_params, *rows, config, temperature)[0] if config.uses_reference
+                        else old_logprobs)
+        return old_logprobs, entropy, values, ref_logprobs
+
+    scored = jax.lax.map(score, _split((batch.tokens, batch.positions), parts))
+    old_logprobs, entropy, values, ref_logprobs = _merge(scored)
     rewards = batch.token_rewards
     if config.kl_in_reward:
         rewards, _ = apply_kl_penalty(
@@ -347,10 +397,41 @@ def _split(tree: Any, parts: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // parts, parts, *x.shape[1:]).swapaxes(0, 1), tree)
 
 
+def _merge(tree: Any) -> Any:
+    """The inverse of `_split`: [parts, batch // parts, ...] -> [batch, ...] in the original row order."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def check_microbatches(rows: int, config: UpdateConfig) -> None:
+    """A clear error unless a `rows`-row batch cuts into `num_minibatches x num_microbatches` parts
+    that each split evenly over the mesh's batch shards (else a part is replicated and recomputed
+    on every device)."""
+    mini, micro = config.num_minibatches, config.num_microbatches
+    if rows % (mini * micro):
+        raise ValueError(f"batch of {rows} rows is not divisible into {mini} mini-batches x {micro} micro-batches")
+    per_mini = rows // mini
+    mesh = None if config.activation_sharding is None else config.activation_sharding.mesh
+    shards = 1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+    if (per_mini // micro) % shards:
+        fix = (
+            f"set num_microbatches to a divisor of {per_mini // shards} (at most {per_mini // shards})"
+            if per_mini % shards == 0
+            else f"no num_microbatches fits: give each mini-batch a multiple of {shards} rows (num_minibatches, rows)"
+        )
+        raise ValueError(
+            f"mini-batch of {per_mini} rows / num_microbatches={micro} = {per_mini // micro} rows per micro-batch, "
+            f"but the mesh has {shards} batch shards (data x fsdp) and a micro-batch needs a multiple of them: {fix}"
+        )
+
+
 def accumulated_update(
     state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
 ) -> tuple[TrainState, Metrics]:
-    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`."""
+    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`.
+
+    The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
+    micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
+    """
     micro = _split(batch, config.num_microbatches)
     weights = _share(micro.loss_mask, config.agg_mode)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -358,10 +439,10 @@ def accumulated_update(
     def micro_step(grads, inputs):
         micro_batch, weight = inputs
         (_, metrics), micro_grads = grad_fn(state.params, micro_batch, config)
-        grads = jax.tree.map(lambda g, m: g + weight * m, grads, micro_grads)
+        grads = jax.tree.map(lambda g, m: g + weight * m.astype(jnp.float32), grads, micro_grads)
         return grads, jax.tree.map(lambda m: weight * m, metrics)
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     grads, metrics = jax.lax.scan(micro_step, zeros, (micro, weights))
     metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     metrics["grad_norm"] = optax.global_norm(grads)
@@ -383,11 +464,7 @@ def critic_update(critic_state: TrainState, batch: RLBatch, config: UpdateConfig
 
 def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     rows = batch.tokens.shape[0]
-    if rows % (config.num_minibatches * config.num_microbatches):
-        raise ValueError(
-            f"batch of {rows} rows is not divisible into {config.num_minibatches} mini-batches "
-            f"x {config.num_microbatches} micro-batches"
-        )
+    check_microbatches(rows, config)
 
     def epoch(state, _):
         rng, shuffle_rng = jax.random.split(state.rng)
@@ -404,7 +481,8 @@ def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: Update
 
 
 def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
-    """One behaviour-cloning update, accumulated over `num_microbatches`."""
+    """One behaviour-cloning update (the batch is one mini-batch), accumulated over `num_microbatches`."""
+    check_microbatches(batch.tokens.shape[0], dataclasses.replace(config, num_minibatches=1))
     return accumulated_update(state, batch, sft_loss, config)
 
 

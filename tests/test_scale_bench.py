@@ -1,0 +1,93 @@
+"""bench/scale.py on a tiny shape: the ahead-of-time path in process (its memory numbers checked
+against the sharded arrays' own sizes) and the command line with `--run` on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from agentgym_jax.parallel.mesh import make_mesh
+from configs import quickstart
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# A 1-layer model, 8 episodes of at most 64 tokens: every step of the RL job, compiled in seconds.
+TINY = dict(
+    model=dict(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2, head_dim=16),
+    rollout=dict(batch_tasks=1, group_size=8, max_tokens_per_turn=4, max_cache_len=64),
+    algo=dict(ppo_epochs=1, num_minibatches=1, num_microbatches=1),
+    tokenizer=dict(vocab_size=128),
+)
+
+
+@pytest.fixture(scope="module")
+def scale():
+    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "bench" / "scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_config():
+    config = quickstart.get_config()
+    for group, values in TINY.items():
+        config[group].update(values)
+    return config
+
+
+@pytest.mark.slow
+def test_compiled_memory_matches_the_sharded_arrays(scale):
+    """XLA's per-device argument bytes are the shards' bytes; the KV cache and the batch split 8
+    ways over fsdp; the update reuses the donated state's buffers."""
+    config = tiny_config()
+    model = scale.model_config(config)
+    assert model.vocab_size == 128  # the tokenizer's size: quickstart names no vocabulary of its own
+    mesh = make_mesh(1, 8, 1)
+    _, steps, _, _ = scale.compile_steps(config, model, mesh, seq=64, chunk=16)
+    by_name = {s.name: s for s in steps}
+    assert list(by_name) == ["append", "decode", "prepare", "rl_update"]
+    for step in steps:  # jit drops the arguments a step never reads (e.g. `scores` in the update)
+        assert step.compiled.memory_analysis().argument_size_in_bytes <= scale.device_bytes(step.args)
+    for name in ("append", "decode"):  # they read every argument
+        assert by_name[name].compiled.memory_analysis().argument_size_in_bytes == scale.device_bytes(by_name[name].args)
+    _, cache, logits, tokens, _ = by_name["append"].args
+    assert cache.k.sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+    full = 2 * 1 * 8 * 2 * 64 * 16 * 4  # k and v: [layers, rows, kv_heads, slots, head_dim] float32
+    assert scale.device_bytes((cache.k, cache.v)) == full // 8
+    state, rl_batch = by_name["rl_update"].args
+    analysis = by_name["rl_update"].compiled.memory_analysis()
+    assert analysis.alias_size_in_bytes >= scale.device_bytes(state.params) + scale.device_bytes(state.opt_state)
+    assert scale.device_bytes(rl_batch.tokens) == 8 * 64 * 4 // 8
+    assert scale.device_bytes(by_name["rl_update"].resident) == scale.device_bytes(by_name["prepare"].args[1])  # the reference
+
+
+@pytest.mark.slow
+def test_command_line_with_run_on_the_cpu():
+    """`--run` allocates random weights, runs each step once and prints its time; the summary line."""
+    overrides = [f"--config.{group}.{key}={value}" for group, values in TINY.items() for key, value in values.items()]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "bench/scale.py", "--config=configs/quickstart.py", "--num_devices=2", "--chunk=16", "--run", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    measured = [line for line in lines if re.match(r"\| (append|decode|prepare|rl_update) \| [0-9.]+ \| n/a \|$", line)]
+    assert len(measured) == 4, out.stdout
+    summary = re.fullmatch(
+        r"summary: config=quickstart model=L1-d32 seq=64 max_device_gib=([0-9.]+) fits_h100_80g=1", lines[-1]
+    )
+    assert summary and float(summary.group(1)) < 0.1, lines[-1]
+    bad = subprocess.run(
+        [sys.executable, "bench/scale.py", "--config=configs/quickstart.py", "--config.model.num_layer=2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode != 0 and "unknown config key(s): 'model.num_layer'" in bad.stderr
