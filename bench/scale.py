@@ -77,7 +77,8 @@ from agentgym_jax.parallel.mesh import make_mesh  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch, bucket  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
-from agentgym_jax.train import build  # noqa: E402
+from agentgym_jax.job import setup  # noqa: E402
+from agentgym_jax.train.jobs import update_config  # noqa: E402
 from agentgym_jax.train.jobs import optim_config  # noqa: E402
 from agentgym_jax.train.state import TrainState, make_optimizer, reference_params  # noqa: E402
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings  # noqa: E402
@@ -121,10 +122,10 @@ class Step(NamedTuple):
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The job's model (`build.model_config`) plus the keys a `configs/models.py` preset adds
+    """The job's model (`setup.model_config`) plus the keys a `configs/models.py` preset adds
     (vocabulary, tied head, RoPE base), so a preset's shape needs no checkpoint or tokenizer."""
     m = config.model
-    model = build.model_config(config, m.get("vocab_size") or config.tokenizer.vocab_size)
+    model = setup.model_config(config, m.get("vocab_size") or config.tokenizer.vocab_size)
     if m.hf_dir:
         return model
     extra = {}
@@ -171,21 +172,21 @@ def compile_step(name: str, fn: Any, args: tuple, resident: Any) -> Step:
 
 def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: jax.sharding.Mesh, seq: int, chunk: int):
     """The four steps of an RL step at the config's shape, compiled for `mesh` (see the docstring)."""
-    update_config = build.update_config(config, model)
+    updates = update_config(config, model)
     param_dtype = jnp.dtype(config.model.param_dtype)
     tx = make_optimizer(optim_config(config.optim, config.train.steps))
 
     def init_state(rng: jax.Array) -> TrainState:
-        params = decoder.init_params(model, rng, param_dtype=param_dtype, value_head=update_config.uses_critic)
+        params = decoder.init_params(model, rng, param_dtype=param_dtype, value_head=updates.uses_critic)
         return TrainState.create(params, tx, jax.random.PRNGKey(1))
 
     shapes = jax.eval_shape(init_state, jax.random.PRNGKey(0))
     state_shardings = train_state_shardings(shapes, mesh)
     state = with_shardings(shapes, state_shardings)
     # The RL job's frozen reference: a copy of the initial params in the compute dtype, laid out like them.
-    reference = functools.partial(reference_params, compute_dtype=update_config.compute_dtype)
+    reference = functools.partial(reference_params, compute_dtype=updates.compute_dtype)
     ref_params = with_shardings(jax.eval_shape(reference, state.params), state_shardings.params)
-    step_fns = make_step_fns(update_config, mesh, state_shardings)
+    step_fns = make_step_fns(updates, mesh, state_shardings)
 
     rows = step_fns.padded_rows(config.rollout.batch_tasks * config.rollout.group_size)
     row_sharding = partition.batch_sharding(mesh)
@@ -285,7 +286,7 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
         return out
 
     state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.PRNGKey(0))
-    compute = build.update_config(config, model).compute_dtype
+    compute = update_config(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
     _, cache, logits, tokens, lengths = by_name["append"].args

@@ -505,13 +505,13 @@ def test_bf16_sampler_reads_one_bf16_copy_and_keeps_a_bf16_cache(qwen2):
 
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_the_jobs_sampler_is_sharded_with_its_cache_in_the_compute_dtype(tmp_path, compute):
-    """`build.make_sampler`: the job's mesh (2x2x2 here), rows and key/value heads sharded, and the
+    """`setup.make_sampler`: the job's mesh (2x2x2 here), rows and key/value heads sharded, and the
     KV cache in `model.compute_dtype`."""
     from agentgym_jax.models import build_tokenizer as bt
     from agentgym_jax.models.chat import ChatFraming
     from agentgym_jax.models.config import ModelConfig
     from agentgym_jax.models.tokenizer import load_tokenizer
-    from agentgym_jax.train import build
+    from agentgym_jax.job import setup
     from configs import quickstart
 
     config = quickstart.get_config()
@@ -519,7 +519,7 @@ def test_the_jobs_sampler_is_sharded_with_its_cache_in_the_compute_dtype(tmp_pat
     config.mesh.update(dict(data=2, fsdp=2, tensor=2))
     framing = ChatFraming(load_tokenizer(bt.build_tokenizer(tmp_path, ["go north", "take the key"], 300)))
     model = ModelConfig.small(vocab_size=len(framing.tokenizer))
-    sampler = build.make_sampler(config, model, framing, build.rollout_config(config))
+    sampler = setup.make_sampler(config, model, framing, setup.rollout_config(config))
     params = sampler.sampling_params(decoder.init_params(model, jax.random.key(0)))
     state = sampler.prefill(params, [[5, 6, 7]])
     assert state.cache.k.dtype == state.cache.v.dtype == jnp.dtype(compute)
