@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import decoder
-from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.models.cache import KVCache, attention_mask, write_rows
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.sampling import buckets
@@ -50,15 +50,15 @@ def toy_params(seed: int = 0, shift: bool = False) -> dict[str, jax.Array]:
 
 def toy_forward(params, tokens, positions, cache: KVCache):
     """One attention layer over the cache (causal by position) plus a bigram table."""
-    start = (0, 0, 0, cache.index, 0)
-    k = jax.lax.dynamic_update_slice(cache.k, params["k"][tokens][None, :, None], start)
-    v = jax.lax.dynamic_update_slice(cache.v, params["v"][tokens][None, :, None], start)
-    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
+    k = write_rows(cache.k, params["k"][tokens][None, :, None], cache.index)  # [1, B, 1, T, DIM] in
+    v = write_rows(cache.v, params["v"][tokens][None, :, None], cache.index)
+    new_cache = cache.written(k, v, positions)
+    key_positions = new_cache.positions
     scores = jnp.einsum("btd,bsd->bts", params["q"][tokens], k[0, :, 0]) / np.sqrt(DIM)
     scores = jnp.where(attention_mask(positions, key_positions), scores, -1e9)
     mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v[0, :, 0])
     logits = mixed @ params["out"] + params["bigram"][tokens]
-    return logits, KVCache(k, v, key_positions, cache.index + tokens.shape[1])
+    return logits, new_cache
 
 
 def toy_cache(batch: int, max_len: int) -> KVCache:
@@ -165,9 +165,8 @@ def test_logprobs_equal_numpy_filtered_distribution():
 
 def fixed_forward(params, tokens, positions, cache: KVCache):
     """Next-token logits `params [V]` whatever the input; keeps the cache bookkeeping."""
-    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
     logits = jnp.broadcast_to(params, (*tokens.shape, params.shape[0]))
-    return logits, cache.replace(positions=key_positions, index=cache.index + tokens.shape[1])
+    return logits, cache.written(cache.k, cache.v, positions)
 
 
 def test_top_p_never_samples_outside_the_nucleus():
@@ -240,14 +239,14 @@ def test_continuation_equals_one_full_forward():
     """Three turns with environment chunks of different lengths give the logits of one full pass."""
     params = toy_params(3)
     config = SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(5,))
-    sampler = toy_sampler(config, cache_buckets=(32, 64, 128, 256))  # grows 32 -> 64 -> 128 on the way
+    sampler = toy_sampler(config, cache_buckets=(32, 64, 128, 256))
     prompts = [[1, 2, 3], [4, 6, 7, 8, 9, 10, 11], [12], [13, 14]]
     history = [list(p) for p in prompts]
     state = sampler.prefill(params, prompts)
     observations = [[[20, 21], [22], [23, 24, 25, 26, 27], []], [[28, 29, 30], [31, 1], [2], [3]]]
     live = [[True, True, True, True], [True, True, False, True]]  # row 2's episode ends after turn 2
     for turn_index in range(3):
-        state, turn = sampler.generate(params, state, jax.random.key(turn_index))
+        state, turn = sampler.generate(params, state, jax.random.key(1 + turn_index))
         for row in range(4):
             history[row] += turn.tokens[row, : turn.count[row]].tolist()
         if turn_index == 2:
@@ -257,7 +256,9 @@ def test_continuation_equals_one_full_forward():
         for row in range(4):
             history[row] += observations[turn_index][row] if live[turn_index][row] else []
     assert turn.count[2] == 0 and turn.stop[2] == StopReason.NOT_LIVE
-    assert state.cache.max_len == 128
+    # Each row holds its own tokens only (per-row write pointers): 27 at most, the 32 bucket.
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [len(h) for h in history])
+    assert state.cache.max_len == 32
     assert len({len(h) for h in history}) == 4, history  # rows really are at different positions
     for row in (0, 1, 3):
         expected = numpy_toy_logits(params, history[row])[-1]
@@ -265,22 +266,24 @@ def test_continuation_equals_one_full_forward():
 
 
 def test_cache_overflow_is_a_status_not_a_wrap():
-    """max_cache_len=60: append reports overflow and leaves the cache; decode stops with CACHE_FULL."""
+    """max_cache_len=60, per row: a row whose real tokens would pass 60 overflows on append (its
+    cache left as it was), another row still appends and decode stops it with CACHE_FULL at 60."""
     params = toy_params(5)
     sampler = toy_sampler(SamplingConfig(max_new_tokens=8, temperature=0.0), max_cache_len=60)
-    state = sampler.prefill(params, [[1, 2], [3]])  # 16 slots (chunk bucket)
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 24
-    state, _ = sampler.append(params, state, [[4], [5, 6]])  # 40
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 48
-    full_state, overflow = sampler.append(params, state, [[7] * 9, [8]])  # 48 + 16 > 60
-    assert overflow.tolist() == [True, True]
-    assert int(full_state.cache.index) == 48 and not np.asarray(full_state.live).any()
+    state = sampler.prefill(params, [[1, 2], [3]])
+    state, _ = sampler.generate(params, state, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 9])  # own tokens, not 16 + 8
+    state, overflow = sampler.append(params, state, [[7] * 51, [8] * 47])  # 61 > 60; 56 fits
+    assert overflow.tolist() == [True, False]
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 56])
+    np.testing.assert_array_equal(np.sort(np.asarray(state.cache.positions)[0])[-10:], np.arange(10))
+    assert np.asarray(state.live).tolist() == [False, True]
 
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 56
-    state, turn = sampler.generate(params, state, jax.random.key(0))  # 4 slots left
-    assert turn.count.tolist() == [4, 4]
-    assert turn.stop.tolist() == [StopReason.CACHE_FULL] * 2
-    assert int(state.cache.index) == 60 and not np.asarray(state.live).any()
+    state, turn = sampler.generate(params, state, jax.random.key(0))  # 4 slots left in row 1
+    assert turn.count.tolist() == [0, 4]
+    assert turn.stop.tolist() == [StopReason.NOT_LIVE, StopReason.CACHE_FULL]
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 60])
+    assert not np.asarray(state.live).any()
     _, turn = sampler.generate(params, state, jax.random.key(0))
     assert turn.count.tolist() == [0, 0] and turn.stop.tolist() == [StopReason.NOT_LIVE] * 2
 
