@@ -124,6 +124,7 @@ class RolloutStats:
     decode_live_steps: int = 0  # of those, row-steps that sampled a token
     prompt_tokens_computed: int = 0  # rows x chunk width the prompt prefills ran (padding included)
     prompt_tokens: int = 0  # real prompt tokens of all episodes
+    cache_slots: int = 0  # KV cache slots the episodes' rows spanned when they ended, all together
 
     @property
     def useful_fraction(self) -> float:
@@ -308,7 +309,7 @@ class _Rollout:
         self.steps: set[asyncio.Task] = set()
         self.start = time.monotonic()
         self.busy_s = self.wait_s = 0.0
-        self.calls = self.turns = 0
+        self.calls = self.turns = self.cache_slots = 0
         self.work_at_start = dataclasses.replace(self.sampler.work)
 
     def stats(self) -> RolloutStats:
@@ -318,6 +319,7 @@ class _Rollout:
             decode_row_steps=work.decode_row_steps, decode_live_steps=work.decode_live_steps,
             prompt_tokens_computed=work.prompt_tokens_computed,
             prompt_tokens=sum(ep.transcript.prompt_len for ep in self.episodes if ep.transcript),
+            cache_slots=self.cache_slots,
         )
 
     async def play(self, episodes: list[_Episode]) -> None:
@@ -332,6 +334,8 @@ class _Rollout:
                     await self._sample_turn(rows)
                 if self.failure is not None:
                     raise self.failure
+            if self.state is not None:
+                self.cache_slots = int(np.asarray(self.state.cache.index)[: len(episodes)].sum())
         finally:
             for task in self.steps:  # only left over when something raised
                 task.cancel()
@@ -510,6 +514,7 @@ class _SlotRollout(_Rollout):
             while waiting or self.in_flight or any(self.holder):
                 for row, ep in enumerate(self.holder):  # episodes that ended give their row back
                     if ep is not None and ep.status is not None:
+                        self.cache_slots += int(self.index[row])
                         self.holder[row], self.index[row] = None, 0
                         free.append(row)
                 admitted = []
