@@ -26,7 +26,7 @@ from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
-from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason
+from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason, Turn
 from agentgym_jax.sampling.step import from_forward
 
 VOCAB, DIM = 32, 16
@@ -286,6 +286,78 @@ def test_cache_overflow_is_a_status_not_a_wrap():
     assert not np.asarray(state.live).any()
     _, turn = sampler.generate(params, state, jax.random.key(0))
     assert turn.count.tolist() == [0, 0] and turn.stop.tolist() == [StopReason.NOT_LIVE] * 2
+
+
+def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
+    """The slot path (fill a row, copy it to a second row sharing the prompt, decode in chunks of
+    3 steps over a prefix of rows and slots) samples, at temperature 1 with the same per-row
+    seeds, the tokens and log-probs of prefill + generate; then an observation filled into one
+    row continues it like `append` does."""
+    params = toy_params(4)
+    config = SamplingConfig(max_new_tokens=7, temperature=1.0, eot_ids=(5,))
+    prompts = [[1, 2, 3], [4, 6, 7, 8], [1, 2, 3]]
+    seeds = np.array([[0, 0], [1, 0], [2, 0]])
+    reference = toy_sampler(config, batch_buckets=(4,), cache_buckets=(16, 32, 64, 256))
+    state, want = reference.generate(params, reference.prefill(params, prompts), jax.random.key(9), seeds=seeds)
+    state, _ = reference.append(params, state, [[9, 10], [], []], live=[True, False, False])
+    want_logits = np.asarray(state.logits)[0]
+
+    sampler = toy_sampler(config, batch_buckets=(2, 4, 8), cache_buckets=(16, 32, 64, 256), fill_buckets=(2,))
+    slots = sampler.init_slots(params, 8)
+    index = np.zeros(8, np.int64)
+    rows = [0, 1, 2]
+    slots = sampler.fill(params, slots, rows[:2], prompts[:2], [True, True], index)
+    slots = sampler.copy(slots, [0], [2])  # row 2 shares row 0's prompt
+    np.testing.assert_array_equal(np.asarray(slots.cache.index)[:3], [3, 4, 3])
+    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[2], np.asarray(slots.cache.positions)[0])
+    live = np.zeros(8, bool)
+    live[rows] = True
+    limit = np.full(8, 7, np.int32)
+    seeds8 = np.zeros((8, 2), np.int32)
+    seeds8[rows] = seeds
+    turn = Turn.start(live, limit, seeds=seeds8)
+    index[rows] = [3, 4, 3]
+    tokens = [[] for _ in rows]
+    logprobs = [[] for _ in rows]
+    while turn.active.any():
+        before = turn.count.copy()
+        slots, turn, (chunk, chunk_logprobs, _, index) = sampler.decode_chunk(
+            params, slots, turn, jax.random.key(9), 3, index
+        )
+        assert chunk.shape == (4, 3)  # rows up to the last active one (bucket 4), 3 steps
+        for row in rows:
+            n = turn.count[row] - before[row]
+            tokens[row] += chunk[row, :n].tolist()
+            logprobs[row] += chunk_logprobs[row, :n].tolist()
+    for row in rows:
+        assert tokens[row] == want.tokens[row, : want.count[row]].tolist()
+        np.testing.assert_allclose(logprobs[row], want.logprobs[row, : want.count[row]], atol=1e-5)
+    np.testing.assert_array_equal(turn.stop[:3], want.stop)
+    index = np.asarray(index).astype(np.int64)
+    slots = sampler.fill(params, slots, [0], [[9, 10]], [False], index)
+    np.testing.assert_allclose(np.asarray(slots.logits)[0], want_logits, rtol=1e-5, atol=1e-5)
+    # A row refilled with a shorter prompt (a smaller slot bucket) forgets all its old tokens.
+    slots = sampler.fill(params, slots, [1], [list(range(1, 21))], [True], index)  # 20 tokens: bucket 32
+    index[1] = 20
+    slots = sampler.fill(params, slots, [1], [[3, 4]], [True], index)  # bucket 16
+    row = np.asarray(slots.cache.positions)[1]
+    np.testing.assert_array_equal(np.sort(row[row >= 0]), [0, 1])
+    assert int(np.asarray(slots.cache.index)[1]) == 2
+
+
+def test_forced_turn_lengths():
+    """End-of-turn is masked until the forced length and forced at it; forced 0 leaves a row free."""
+    params = toy_params(6)
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=12, temperature=1.0, eot_ids=(5,)))
+    state = sampler.prefill(params, [[1, 2], [3], [4, 4, 4]])
+    _, turn = sampler.generate(params, state, jax.random.key(3), forced=[4, 11, 0])
+    assert turn.count[:2].tolist() == [4, 11]
+    assert turn.stop[:2].tolist() == [StopReason.END_OF_TURN] * 2
+    for row, n in ((0, 4), (1, 11)):
+        assert not np.isin(turn.tokens[row, : n - 1], (5,)).any() and turn.tokens[row, n - 1] == 5
+        assert turn.logprobs[row, n - 1] == 0.0  # the only choice left: a point mass
+    free = turn.tokens[2, : turn.count[2]]  # row 2 stops when it samples an end-of-turn id, if ever
+    assert np.isin(free, (5,)).sum() == (turn.stop[2] == StopReason.END_OF_TURN)
 
 
 def test_bad_input_is_refused():

@@ -236,12 +236,8 @@ def decode(
     return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs)
 
 
-def resize_cache(cache: KVCache, max_len: int) -> KVCache:
-    """The same cache with `max_len` slots: new slots empty (position -1), or the empty tail cut
-    (the caller makes sure no row holds tokens past `max_len`)."""
-    if max_len <= cache.max_len:
-        cut = lambda x: x[..., :max_len, :] if x.ndim == 5 else x[:, :max_len]
-        return cache.replace(k=cut(cache.k), v=cut(cache.v), positions=cut(cache.positions))
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with `max_len` slots; the new slots are empty (position -1)."""
     extra = max_len - cache.max_len
     pad_kv = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
     return cache.replace(
@@ -251,28 +247,77 @@ def resize_cache(cache: KVCache, max_len: int) -> KVCache:
     )
 
 
-def fill_rows(
+def _prefix(cache: KVCache, rows: int | None, slots: int) -> KVCache:
+    """The first `rows` rows (all if None) and `slots` slots of the cache (a copy)."""
+    r = slice(None) if rows is None else slice(0, rows)
+    return KVCache(
+        k=cache.k[:, r, :, :slots], v=cache.v[:, r, :, :slots], positions=cache.positions[r, :slots], index=cache.index[r]
+    )
+
+
+def _put_prefix(cache: KVCache, sub: KVCache) -> KVCache:
+    """`cache` with `sub` (a `_prefix` of it) written back in place."""
+    put = lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim)
+    return jax.tree.map(put, cache, sub)
+
+
+def decode_slots(
     step_fn: StepFn,
+    config: SamplingConfig,
+    loop_params_fn: LoopParamsFn | None,
+    steps: int,
+    forcing: bool,
+    rows: int,
+    slots: int,
     params: Params,
     cache: KVCache,
     logits: jax.Array,
-    slots: jax.Array,
+    turn: Turn,
+    rng: jax.Array,
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+    """`decode` of the first `rows` rows over their first `slots` slots (what the live rows hold
+    plus `steps`, bucketed), written back into the full cache: a chunk costs what rows hold, not
+    `max_cache_len` x every slot. Rows past `rows` must be inactive; outputs are [rows, ...]."""
+    head = lambda x: x[:rows]
+    sub, sub_logits, sub_turn, arrays = decode(
+        step_fn, config, loop_params_fn, steps, forcing, params, _prefix(cache, rows, slots), head(logits),
+        jax.tree.map(head, turn), rng,
+    )
+    logits = jax.lax.dynamic_update_slice(logits, sub_logits, (0, 0))
+    turn = jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim), turn, sub_turn)
+    return _put_prefix(cache, sub), logits, turn, arrays
+
+
+def fill_rows(
+    step_fn: StepFn,
+    slots: int,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array,
+    rows: jax.Array,
     fresh: jax.Array,
     tokens: jax.Array,
     lengths: jax.Array,
 ) -> tuple[KVCache, jax.Array]:
-    """Appends `tokens [K, T]` to the K rows `slots [K]` only (`fresh [K]`: the row starts empty).
+    """Appends `tokens [K, T]` to the K rows `rows [K]` only (`fresh [K]`: the row starts empty).
 
-    The rows are gathered into a K-row cache, run through the model and scattered back, so the
-    other rows cost nothing. Padding entries of `slots` are out of range (>= batch): dropped.
+    The rows' first `slots` slots are gathered into a K-row cache, run through the model and
+    scattered back, so the other rows cost nothing. Padding entries of `rows` are out of range
+    (>= batch): dropped.
     """
-    take = lambda x: jnp.take(x, slots, axis=1 if x.ndim == 5 else 0, mode="clip")
-    sub = jax.tree.map(take, cache)
+    batch = logits.shape[0]
+    # a fresh row forgets all its old tokens, also those past the `slots` written back below
+    cache = cache.replace(positions=cache.positions.at[jnp.where(fresh, rows, batch)].set(-1, mode="drop"))
+    take = lambda x: jnp.take(x, rows, axis=1 if x.ndim == 5 else 0, mode="clip")
+    sub = _prefix(jax.tree.map(take, cache), None, slots)
     sub = sub.replace(
         positions=jnp.where(fresh[:, None], -1, sub.positions), index=jnp.where(fresh, 0, sub.index)
     )
     sub, sub_logits = append_chunk(step_fn, params, sub, take(logits), tokens, lengths)
-    return _put_rows(cache, logits, slots, sub, sub_logits)
+    put = lambda x, y: (x.at[:, rows, :, :slots] if x.ndim == 5 else x.at[rows, :slots] if x.ndim == 2 else x.at[rows]).set(
+        y, mode="drop"
+    )
+    return jax.tree.map(put, cache, sub), logits.at[rows].set(sub_logits, mode="drop")
 
 
 def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[KVCache, jax.Array]:
@@ -366,6 +411,7 @@ class Sampler:
         cache_buckets: Sequence[int] | None = None,
         shardings: SamplerShardings | None = None,
         loop_params_fn: LoopParamsFn | None = None,
+        fill_buckets: Sequence[int] | None = None,
     ):
         self.config = config
         self.max_cache_len = max_cache_len
@@ -381,6 +427,9 @@ class Sampler:
         self.cache_buckets = buckets.check_buckets(
             "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len)
         )
+        self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or self.batch_buckets)
+        if any(b % row_shards for b in self.fill_buckets):
+            raise ValueError(f"fill_buckets {self.fill_buckets} must be multiples of the {row_shards} row shards")
         if self.cache_buckets[-1] != max_cache_len:
             raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
         self._step = step_fn
@@ -403,16 +452,24 @@ class Sampler:
             static_argnums=(0, 1),
             donate_argnums=(3, 4),
         )
+        self._decode_slots = jit(
+            functools.partial(decode_slots, step_fn, config, loop_params_fn),
+            ("static",) * 4 + ("params", "cache", "batch", turn, "replicated"),
+            ("cache", "batch", turn, ("replicated",) * 3),
+            static_argnums=(0, 1, 2, 3),
+            donate_argnums=(5, 6),
+        )
         rows = "replicated"  # a few row indices and their chunks: not split over the batch axes
         self._fill = jit(
             functools.partial(fill_rows, step_fn),
-            ("params", "cache", "batch", rows, rows, rows, rows),
+            ("static", "params", "cache", "batch", rows, rows, rows, rows),
             ("cache", "batch"),
-            donate_argnums=(1, 2),
+            static_argnums=0,
+            donate_argnums=(2, 3),
         )
         self._copy = jit(copy_rows, ("cache", "batch", rows, rows), ("cache", "batch"), donate_argnums=(0, 1))
-        # Resizing pads into (or slices out) another buffer, so donation would not save a copy.
-        self._resize = jit(resize_cache, ("cache", "static"), "cache", static_argnums=1)
+        # Growing pads into a bigger buffer, so donation would not save a copy.
+        self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
     @classmethod
     def for_decoder(
@@ -445,11 +502,10 @@ class Sampler:
     def _cache_bucket(self, length: int) -> int:
         return buckets.bucket(min(length, self.max_cache_len), self.cache_buckets, "cache length")
 
-    def _fit_cache(self, cache: KVCache, needed: int, shrink: bool = False) -> KVCache:
-        """The cache in the bucket holding `needed` slots (at most max_cache_len): grown, or with
-        `shrink` also cut down when every row's tokens fit a smaller bucket."""
+    def _ensure_capacity(self, cache: KVCache, needed: int) -> KVCache:
+        """Grows the cache to the bucket holding `needed` slots (at most max_cache_len)."""
         target = self._cache_bucket(needed)
-        return self._resize(cache, target) if target > cache.max_len or (shrink and target < cache.max_len) else cache
+        return self._grow(cache, target) if target > cache.max_len else cache
 
     def _pad_chunks(self, chunks: Sequence[Sequence[int]], live: np.ndarray, batch: int):
         """Right-pads the live rows' chunks to a chunk bucket: (tokens [batch, T], lengths [batch])."""
@@ -509,7 +565,7 @@ class Sampler:
         tokens, lengths = self._pad_chunks(chunks, live_rows, batch)
         state = state.replace(live=jnp.asarray(live_rows))
         if lengths.any():
-            cache = self._fit_cache(state.cache, int((index + lengths).max()))
+            cache = self._ensure_capacity(state.cache, int((index + lengths).max()))
             cache, logits = self._append(params, cache, state.logits, tokens, lengths)
             state = state.replace(cache=cache, logits=logits)
         return state, overflow[: state.num_rows]
@@ -543,7 +599,7 @@ class Sampler:
         if forced is not None:
             row_forced[:rows] = forced
         turn = Turn.start(np.asarray(state.live), row_limit, row_forced, row_seeds)
-        cache = self._fit_cache(state.cache, int(np.asarray(state.cache.index).max()) + width)
+        cache = self._ensure_capacity(state.cache, int(np.asarray(state.cache.index).max()) + width)
         cache, logits, turn, arrays = self._decode(width, forced is not None, params, cache, state.logits, turn, rng)
         tokens, logprobs, raw_logprobs = (np.asarray(a)[:rows] for a in arrays)
         stop, count = np.asarray(turn.stop), np.asarray(turn.count)
@@ -558,35 +614,44 @@ class Sampler:
         live = jnp.asarray(np.asarray(state.live) & (stop != StopReason.CACHE_FULL))
         return state.replace(cache=cache, logits=logits, live=live), out
 
-    # Slots (continuous batching, `rollout/slots.py`): a fixed batch of rows that episodes take
-    # turns in. Rows are filled and copied individually and decoded in chunks of steps.
+    # Slots (continuous batching, `RolloutConfig.num_slots`): a fixed batch of rows, allocated
+    # once at max_cache_len, that episodes take turns in. Rows are filled and copied
+    # individually, and decoded in chunks of steps over the prefix of rows and slots in use.
 
     def init_slots(self, params: Params, num_slots: int) -> SamplerState:
-        """`num_slots` empty rows (none live), the cache at its smallest bucket."""
+        """`num_slots` empty rows (none live) of `max_cache_len` slots each."""
         batch = buckets.bucket(num_slots, self.batch_buckets, "number of slots")
-        cache = self._init_cache(batch, self.cache_buckets[0])
+        cache = self._init_cache(batch, self.max_cache_len)
         logits = np.zeros((batch, self._vocab(params, cache)), np.float32)
         return SamplerState(cache=cache, logits=logits, live=jnp.zeros((batch,), bool), num_rows=num_slots)
 
     def fill(
-        self, params: Params, state: SamplerState, slots: Sequence[int], chunks: Sequence[Sequence[int]],
+        self, params: Params, state: SamplerState, rows: Sequence[int], chunks: Sequence[Sequence[int]],
         fresh: Sequence[bool], index: np.ndarray,
     ) -> SamplerState:
-        """Appends `chunks[i]` to row `slots[i]` (`fresh[i]`: the row's old tokens are dropped first).
+        """Appends `chunks[i]` to row `rows[i]` (`fresh[i]`: the row's old tokens are dropped first).
 
-        `index [slots]`: each row's tokens now (host copy of `cache.index`); the caller checks
-        that every row fits in `max_cache_len`.
+        `index [batch]`: each row's tokens now (host copy of `cache.index`); the caller checks
+        that every row fits in `max_cache_len`. Rows go `fill_buckets[-1]` at a time, over the
+        slot bucket their tokens need.
         """
+        step = self.fill_buckets[-1]
+        for start in range(0, len(rows), step):
+            part = slice(start, start + step)
+            state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
+        return state
+
+    def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
         batch = state.live.shape[0]
-        k = buckets.bucket(len(slots), self.batch_buckets, "rows to fill")
-        row_slots = np.full((k,), batch, np.int32)  # out of range: dropped
-        row_slots[: len(slots)] = slots
+        k = buckets.bucket(len(rows), self.fill_buckets, "rows to fill")
+        row_ids = np.full((k,), batch, np.int32)  # out of range: dropped
+        row_ids[: len(rows)] = rows
         row_fresh = np.zeros((k,), bool)
-        row_fresh[: len(slots)] = fresh
+        row_fresh[: len(rows)] = fresh
         tokens, lengths = self._pad_chunks(chunks, np.ones((k,), bool), k)
-        kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(slots)])
-        cache = self._fit_cache(state.cache, max(int(index.max()), int((kept + lengths[: len(slots)]).max())))
-        cache, logits = self._fill(params, cache, state.logits, row_slots, row_fresh, tokens, lengths)
+        kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(rows)])
+        slots = self._cache_bucket(int((kept + lengths[: len(rows)]).max()))
+        cache, logits = self._fill(slots, params, state.cache, state.logits, row_ids, row_fresh, tokens, lengths)
         if all(fresh):
             self.work.prompt_tokens_computed += tokens.size
         return state.replace(cache=cache, logits=logits)
@@ -605,15 +670,19 @@ class Sampler:
     ) -> tuple[SamplerState, Turn, tuple[np.ndarray, ...]]:
         """Up to `steps` decode steps of every active row of `turn` (host arrays [batch]).
 
-        The cache is first fitted to the bucket of the longest occupied row plus `steps`
-        (`index [batch]`: each row's tokens, 0 for free rows), grown or cut, so the steps attend
-        over what rows hold, not over `max_cache_len`. Returns the state, the turn (host) and the
-        chunk's (tokens, logprobs, raw_logprobs) [batch, steps] and each row's index (host).
+        Runs over the first rows up to the last active one and the first slots up to the longest
+        active row (`index [batch]`: each row's tokens) plus `steps`, both bucketed: the steps
+        attend over what the rows hold, not over `max_cache_len`. Returns the state, the turn
+        (host) and the chunk's (tokens, logprobs, raw_logprobs) [rows, steps] and every row's index.
         """
-        cache = self._fit_cache(state.cache, int(index.max()) + steps, shrink=True)
-        forcing = bool(np.any(turn.forced))
+        active = np.flatnonzero(turn.active)
+        rows = buckets.bucket(int(active.max()) + 1, self.batch_buckets, "rows")
+        slots = self._cache_bucket(int(index[active].max()) + steps)
         count = turn.count
-        cache, logits, turn, arrays = self._decode(steps, forcing, params, cache, state.logits, turn, rng)
+        forcing = bool(np.any(turn.forced))
+        cache, logits, turn, arrays = self._decode_slots(
+            steps, forcing, rows, slots, params, state.cache, state.logits, turn, rng
+        )
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
-        self.work.add_decode(count.shape[0], turn.count - count)
+        self.work.add_decode(rows, turn.count - count)
         return state.replace(cache=cache, logits=logits), turn, (*(np.asarray(a) for a in arrays), np.asarray(cache.index))
