@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="default", choices=["default", "ragged"])
     parser.add_argument("--num_slots", type=int, default=64, help="ragged: sampler slots of the slot engine")
-    parser.add_argument("--decode_chunk", type=int, default=16, help="ragged: decode steps between refills")
+    parser.add_argument("--decode_chunk", type=int, default=8, help="ragged: decode steps between refills")
     parser.add_argument("--env", default="maze", choices=["maze", "textcraft"])
     parser.add_argument("--tasks", type=int, default=4)
     parser.add_argument("--group_size", type=int, default=4)
