@@ -8,6 +8,11 @@ Two pure functions do the work, both over the `KVCache` contract (`models/cache.
   through the model; rows that are done write padding (position -1). The loop stops as soon as
   every row is done, so a batch costs as many steps as its longest turn.
 
+For continuous batching (`rollout.num_slots`): `fill_rows` appends to a few rows only (gathered,
+run, scattered back), `copy_rows` copies a row (a shared prompt), and `decode_slots` runs
+`decode` in chunks over the prefix of rows and slots in use. A `Turn` carries each row's turn
+across chunks.
+
 `Sampler` is the thin Python driver on top: it pads batches, chunks and the cache to shape
 buckets (so nothing recompiles inside a bucket), grows the cache bucket by bucket up to
 `max_cache_len` (so decode attends over the filled part, not the maximum), and reports cache
