@@ -305,6 +305,9 @@ def oracle_moves(task_id: int) -> list[str]:
 class ScriptedState:
     live: np.ndarray
     num_rows: int
+    cache: types.SimpleNamespace = dataclasses.field(  # no cache: its rows hold nothing
+        default_factory=lambda: types.SimpleNamespace(index=np.zeros(64, np.int32))
+    )
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
