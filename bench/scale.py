@@ -76,7 +76,7 @@ from agentgym_jax.parallel import partition  # noqa: E402
 from agentgym_jax.parallel.mesh import make_mesh  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch, bucket  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
-from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
+from agentgym_jax.sampling.sampler import Sampler, Turn  # noqa: E402
 from agentgym_jax.job import setup  # noqa: E402
 from agentgym_jax.train.jobs import update_config  # noqa: E402
 from agentgym_jax.train.jobs import optim_config  # noqa: E402
@@ -207,12 +207,14 @@ def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: j
     )
     logits = sds((rows, model.vocab_size), jnp.float32)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    flags, counts = sds((rows,), bool), sds((rows,), jnp.int32)
+    turn = Turn(active=flags, count=counts, limit=counts, forced=counts, seeds=sds((rows, 2), jnp.int32), stop=counts)
     opt = (state.opt_state, state.step, state.rng, state.skipped_updates)
     copied = any(w.dtype != p.dtype for w, p in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params)))
     beside_sampler = (state if copied else opt, ref_params)  # without a copy the sampler reads the state's params
     return sampler, [
         compile_step("append", sampler._append, (weights, cache, logits, sds((rows, chunk), jnp.int32), sds((rows,), jnp.int32)), beside_sampler),
-        compile_step("decode", sampler._decode, (weights, cache, logits, sds((rows,), bool), sds((rows,), jnp.int32), rng), beside_sampler),
+        compile_step("decode", sampler._decode, (r.max_tokens_per_turn, False, weights, cache, logits, turn, rng), beside_sampler),
         compile_step("prepare", step_fns.prepare, (state.params, ref_params, batch), opt),
         compile_step("rl_update", step_fns.rl_update, (state, rl_batch), ref_params),
     ], init_state, state_shardings
@@ -299,11 +301,10 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
         "append", weights, cache, put(np.zeros(logits.shape, np.float32), logits),
         put(rng.integers(0, model.vocab_size, (rows, chunk)).astype(np.int32), tokens), put(np.full(rows, chunk, np.int32), lengths),
     )
-    live, limit = by_name["decode"].args[3:5]
-    timed_call(
-        "decode", weights, cache, logits, put(np.ones(rows, bool), live),
-        put(np.full(rows, config.rollout.max_tokens_per_turn, np.int32), limit), jax.random.PRNGKey(2),
-    )
+    turn_spec = by_name["decode"].args[5]
+    turn = Turn.start(np.ones(rows, bool), np.full(rows, config.rollout.max_tokens_per_turn, np.int32))
+    turn = Turn(*(put(x, like) for x, like in zip(turn, turn_spec)))
+    timed_call("decode", weights, cache, logits, turn, jax.random.PRNGKey(2))  # static (steps, forcing) compiled in
     del weights, cache, logits  # the rollout is over: the sampler's copy and cache go
     batch = random_batch(by_name["prepare"].args[2], model.vocab_size, config.rollout.group_size)
     rl_batch, _ = timed_call("prepare", state.params, ref_params, batch)

@@ -60,4 +60,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.action_format = "Action: {action}"  # how the oracle's actions are phrased
     config.rollout.straggler_wait_s = 0.05  # sample for arrived episodes after this wait
     config.rollout.lock_step = False  # True: every turn waits for all episodes (reproducible sampling)
+    config.rollout.num_slots = 0  # as in configs/quickstart.py: 0 turn-batched, > 0 continuous batching over that many rows
+    config.rollout.decode_chunk = 8  # slots: decode steps between refills
     return config

@@ -64,6 +64,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.action_format = "Action: {action}"  # how demonstrations phrase an action
     config.rollout.straggler_wait_s = 0.05  # sample for arrived episodes after this wait
     config.rollout.lock_step = True  # every turn waits for all episodes: reproducible, and on a local CPU server the wait is short
+    # Continuous batching (docs/sampling.md): 0 keeps the turn-batched engine, every episode a sampler
+    # row and each turn waiting for the batch: with turns of <= 16 tokens it wastes little, and slots
+    # would add compilations (row fills) to a short CPU run. > 0 (e.g. 64): that many rows over all
+    # episodes, refilled as episodes end; for long, ragged turns (bench/rollout.py --workload=ragged).
+    config.rollout.num_slots = 0
+    config.rollout.decode_chunk = 8  # slots: decode steps between refills (shorter: rows idle less at turn ends)
 
     config.horizon = ml_collections.ConfigDict()
     config.horizon.schedule = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on

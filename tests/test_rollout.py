@@ -32,7 +32,7 @@ from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import read_jsonl, write_jsonl
 from agentgym_jax.sampling.config import SamplingConfig
-from agentgym_jax.sampling.sampler import Sampler, StopReason, TurnOutput
+from agentgym_jax.sampling.sampler import Sampler, SamplerWork, StopReason, TurnOutput
 from environments.maze import env as maze
 from tests.servers import start_server
 
@@ -87,7 +87,7 @@ class RecordingSampler:
     """The real sampler, plus every turn it produced and which rows took part."""
 
     def __init__(self, sampler: Sampler):
-        self.sampler, self.config = sampler, sampler.config
+        self.sampler, self.config, self.work = sampler, sampler.config, sampler.work
         self.turns: list[tuple[np.ndarray, TurnOutput]] = []
 
     def sampling_params(self, params):
@@ -99,9 +99,9 @@ class RecordingSampler:
     def append(self, params, state, chunks, live=None):
         return self.sampler.append(params, state, chunks, live)
 
-    def generate(self, params, state, rng, limit=None):
+    def generate(self, params, state, rng, limit=None, **kw):
         live = np.asarray(state.live)[: state.num_rows].copy()
-        state, turn = self.sampler.generate(params, state, rng, limit)
+        state, turn = self.sampler.generate(params, state, rng, limit, **kw)
         self.turns.append((live, turn))
         return state, turn
 
@@ -207,6 +207,37 @@ def test_horizon_is_respected_and_nothing_recompiles(framing, model, sampler, ma
             engine.run(model[1], [0, 1], 0, jax.random.key(0), policy_version=0)
 
 
+def test_slot_engine_reproduces_the_turn_batched_engine(framing, model, sampler, maze_url, task_info):
+    """Continuous batching (2 tasks x 2 episodes over 2 sampler slots, decode in chunks of 3 steps,
+    so slots are refilled mid-run and turns span chunks) gives token for token the trajectories of
+    the turn-batched engine under the same key, sampling at temperature 1, and the same work per
+    sampled token; the second run of the slot engine compiles nothing."""
+    base = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
+    slots = dataclasses.replace(base, num_slots=2, decode_chunk=3)
+    runs, compilations = {}, []
+    listener = lambda event, seconds, **kw: compilations.append(event)  # noqa: E731
+    for name, config in (("turns", base), ("slots", slots)):
+        sampler.work = SamplerWork()
+        with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+            for run in range(2 if name == "slots" else 1):
+                if run == 1:
+                    jax.monitoring.register_event_duration_secs_listener(listener)
+                runs[name] = engine.run(model[1], [2, 5], 4, jax.random.key(3), policy_version=0)
+            jax.monitoring.unregister_event_duration_listener(listener) if name == "slots" else None
+            runs[name + "_stats"] = engine.last_stats
+    assert "/jax/core/compile/backend_compile_duration" not in compilations
+    assert [t.status for t in runs["slots"]] == [t.status for t in runs["turns"]]
+    assert sum(t.num_turns for t in runs["slots"]) == runs["slots_stats"].turns >= 4
+    for a, b in zip(runs["turns"], runs["slots"]):
+        assert (a.task_id, a.group_id, a.sample_idx) == (b.task_id, b.group_id, b.sample_idx)
+        assert a.token_ids == b.token_ids and a.turn_spans == b.turn_spans and a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.turn_rewards == b.turn_rewards
+    slot_stats, turn_stats = runs["slots_stats"], runs["turns_stats"]
+    assert slot_stats.prompt_tokens == turn_stats.prompt_tokens
+    assert 0 < slot_stats.decode_live_steps == turn_stats.decode_live_steps
+
+
 def test_token_budget(framing, model, sampler, maze_url, task_info):
     # 20 tokens: the first turn fits (<= 8 ids) but no observation (~60 ids) after it does.
     for budget in (5, 20):
@@ -278,6 +309,9 @@ def oracle_moves(task_id: int) -> list[str]:
 class ScriptedState:
     live: np.ndarray
     num_rows: int
+    cache: types.SimpleNamespace = dataclasses.field(  # no cache: its rows hold nothing
+        default_factory=lambda: types.SimpleNamespace(index=np.zeros(64, np.int32))
+    )
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -289,6 +323,7 @@ class ScriptedSampler:
     def __init__(self, framing: ChatFraming, scripts: list[list[str]], action_format: str = "Action: {}"):
         self.framing, self.scripts, self.action_format = framing, scripts, action_format
         self.config = SamplingConfig(max_new_tokens=16, eot_ids=framing.end_of_turn_ids, return_raw_logprobs=True)
+        self.work = SamplerWork()
         self.turn = [0] * len(scripts)
 
     def sampling_params(self, params):
@@ -300,7 +335,7 @@ class ScriptedSampler:
     def append(self, params, state, chunks, live=None):
         return state, np.zeros(state.num_rows, bool)
 
-    def generate(self, params, state, rng, limit=None):
+    def generate(self, params, state, rng, limit=None, **kw):
         rows, width = state.num_rows, self.config.max_new_tokens
         tokens, count = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
         stop = np.full(rows, StopReason.NOT_LIVE, np.int32)
@@ -346,7 +381,7 @@ class CallRecordingSampler(ScriptedSampler):
         super().__init__(*args)
         self.calls: list[tuple[int, ...]] = []  # the rows of each generate call
 
-    def generate(self, params, state, rng, limit=None):
+    def generate(self, params, state, rng, limit=None, **kw):
         self.calls.append(tuple(int(row) for row in np.flatnonzero(state.live)))
         return super().generate(params, state, rng, limit)
 

@@ -21,12 +21,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import decoder
-from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.models.cache import KVCache, attention_mask, write_rows
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
-from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason
+from agentgym_jax.sampling.sampler import Sampler, SamplerShardings, StopReason, Turn
 from agentgym_jax.sampling.step import from_forward
 
 VOCAB, DIM = 32, 16
@@ -50,15 +50,15 @@ def toy_params(seed: int = 0, shift: bool = False) -> dict[str, jax.Array]:
 
 def toy_forward(params, tokens, positions, cache: KVCache):
     """One attention layer over the cache (causal by position) plus a bigram table."""
-    start = (0, 0, 0, cache.index, 0)
-    k = jax.lax.dynamic_update_slice(cache.k, params["k"][tokens][None, :, None], start)
-    v = jax.lax.dynamic_update_slice(cache.v, params["v"][tokens][None, :, None], start)
-    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
+    k = write_rows(cache.k, params["k"][tokens][None, :, None], cache.index)  # [1, B, 1, T, DIM] in
+    v = write_rows(cache.v, params["v"][tokens][None, :, None], cache.index)
+    new_cache = cache.written(k, v, positions)
+    key_positions = new_cache.positions
     scores = jnp.einsum("btd,bsd->bts", params["q"][tokens], k[0, :, 0]) / np.sqrt(DIM)
     scores = jnp.where(attention_mask(positions, key_positions), scores, -1e9)
     mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v[0, :, 0])
     logits = mixed @ params["out"] + params["bigram"][tokens]
-    return logits, KVCache(k, v, key_positions, cache.index + tokens.shape[1])
+    return logits, new_cache
 
 
 def toy_cache(batch: int, max_len: int) -> KVCache:
@@ -166,9 +166,8 @@ def test_logprobs_equal_numpy_filtered_distribution():
 
 def fixed_forward(params, tokens, positions, cache: KVCache):
     """Next-token logits `params [V]` whatever the input; keeps the cache bookkeeping."""
-    key_positions = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache.index))
     logits = jnp.broadcast_to(params, (*tokens.shape, params.shape[0]))
-    return logits, cache.replace(positions=key_positions, index=cache.index + tokens.shape[1])
+    return logits, cache.written(cache.k, cache.v, positions)
 
 
 def test_top_p_never_samples_outside_the_nucleus():
@@ -241,14 +240,14 @@ def test_continuation_equals_one_full_forward():
     """Three turns with environment chunks of different lengths give the logits of one full pass."""
     params = toy_params(3)
     config = SamplingConfig(max_new_tokens=6, temperature=1.0, eot_ids=(5,))
-    sampler = toy_sampler(config, cache_buckets=(32, 64, 128, 256))  # grows 32 -> 64 -> 128 on the way
+    sampler = toy_sampler(config, cache_buckets=(32, 64, 128, 256))
     prompts = [[1, 2, 3], [4, 6, 7, 8, 9, 10, 11], [12], [13, 14]]
     history = [list(p) for p in prompts]
     state = sampler.prefill(params, prompts)
     observations = [[[20, 21], [22], [23, 24, 25, 26, 27], []], [[28, 29, 30], [31, 1], [2], [3]]]
     live = [[True, True, True, True], [True, True, False, True]]  # row 2's episode ends after turn 2
     for turn_index in range(3):
-        state, turn = sampler.generate(params, state, jax.random.key(turn_index))
+        state, turn = sampler.generate(params, state, jax.random.key(1 + turn_index))
         for row in range(4):
             history[row] += turn.tokens[row, : turn.count[row]].tolist()
         if turn_index == 2:
@@ -258,7 +257,9 @@ def test_continuation_equals_one_full_forward():
         for row in range(4):
             history[row] += observations[turn_index][row] if live[turn_index][row] else []
     assert turn.count[2] == 0 and turn.stop[2] == StopReason.NOT_LIVE
-    assert state.cache.max_len == 128
+    # Each row holds its own tokens only (per-row write pointers): 27 at most, the 32 bucket.
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [len(h) for h in history])
+    assert state.cache.max_len == 32
     assert len({len(h) for h in history}) == 4, history  # rows really are at different positions
     for row in (0, 1, 3):
         expected = numpy_toy_logits(params, history[row])[-1]
@@ -266,24 +267,98 @@ def test_continuation_equals_one_full_forward():
 
 
 def test_cache_overflow_is_a_status_not_a_wrap():
-    """max_cache_len=60: append reports overflow and leaves the cache; decode stops with CACHE_FULL."""
+    """max_cache_len=60, per row: a row whose real tokens would pass 60 overflows on append (its
+    cache left as it was), another row still appends and decode stops it with CACHE_FULL at 60."""
     params = toy_params(5)
     sampler = toy_sampler(SamplingConfig(max_new_tokens=8, temperature=0.0), max_cache_len=60)
-    state = sampler.prefill(params, [[1, 2], [3]])  # 16 slots (chunk bucket)
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 24
-    state, _ = sampler.append(params, state, [[4], [5, 6]])  # 40
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 48
-    full_state, overflow = sampler.append(params, state, [[7] * 9, [8]])  # 48 + 16 > 60
-    assert overflow.tolist() == [True, True]
-    assert int(full_state.cache.index) == 48 and not np.asarray(full_state.live).any()
+    state = sampler.prefill(params, [[1, 2], [3]])
+    state, _ = sampler.generate(params, state, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 9])  # own tokens, not 16 + 8
+    state, overflow = sampler.append(params, state, [[7] * 51, [8] * 47])  # 61 > 60; 56 fits
+    assert overflow.tolist() == [True, False]
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 56])
+    np.testing.assert_array_equal(np.sort(np.asarray(state.cache.positions)[0])[-10:], np.arange(10))
+    assert np.asarray(state.live).tolist() == [False, True]
 
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 56
-    state, turn = sampler.generate(params, state, jax.random.key(0))  # 4 slots left
-    assert turn.count.tolist() == [4, 4]
-    assert turn.stop.tolist() == [StopReason.CACHE_FULL] * 2
-    assert int(state.cache.index) == 60 and not np.asarray(state.live).any()
+    state, turn = sampler.generate(params, state, jax.random.key(0))  # 4 slots left in row 1
+    assert turn.count.tolist() == [0, 4]
+    assert turn.stop.tolist() == [StopReason.NOT_LIVE, StopReason.CACHE_FULL]
+    np.testing.assert_array_equal(np.asarray(state.cache.index), [10, 60])
+    assert not np.asarray(state.live).any()
     _, turn = sampler.generate(params, state, jax.random.key(0))
     assert turn.count.tolist() == [0, 0] and turn.stop.tolist() == [StopReason.NOT_LIVE] * 2
+
+
+def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
+    """The slot path (fill a row, copy it to a second row sharing the prompt, decode in chunks of
+    3 steps over a prefix of rows and slots) samples, at temperature 1 with the same per-row
+    seeds, the tokens and log-probs of prefill + generate; then an observation filled into one
+    row continues it like `append` does."""
+    params = toy_params(4)
+    config = SamplingConfig(max_new_tokens=7, temperature=1.0, eot_ids=(5,))
+    prompts = [[1, 2, 3], [4, 6, 7, 8], [1, 2, 3]]
+    seeds = np.array([[0, 0], [1, 0], [2, 0]])
+    reference = toy_sampler(config, batch_buckets=(4,), cache_buckets=(16, 32, 64, 256))
+    state, want = reference.generate(params, reference.prefill(params, prompts), jax.random.key(9), seeds=seeds)
+    state, _ = reference.append(params, state, [[9, 10], [], []], live=[True, False, False])
+    want_logits = np.asarray(state.logits)[0]
+
+    sampler = toy_sampler(config, batch_buckets=(2, 4, 8), cache_buckets=(16, 32, 64, 256), fill_buckets=(2,))
+    slots = sampler.init_slots(params, 8)
+    index = np.zeros(8, np.int64)
+    rows = [0, 1, 2]
+    slots = sampler.fill(params, slots, rows[:2], prompts[:2], [True, True], index)
+    slots = sampler.copy(slots, [0], [2])  # row 2 shares row 0's prompt
+    np.testing.assert_array_equal(np.asarray(slots.cache.index)[:3], [3, 4, 3])
+    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[2], np.asarray(slots.cache.positions)[0])
+    live = np.zeros(8, bool)
+    live[rows] = True
+    limit = np.full(8, 7, np.int32)
+    seeds8 = np.zeros((8, 2), np.int32)
+    seeds8[rows] = seeds
+    turn = Turn.start(live, limit, seeds=seeds8)
+    index[rows] = [3, 4, 3]
+    tokens = [[] for _ in rows]
+    logprobs = [[] for _ in rows]
+    while turn.active.any():
+        before = turn.count.copy()
+        slots, turn, (chunk, chunk_logprobs, _, index) = sampler.decode_chunk(
+            params, slots, turn, jax.random.key(9), 3, index
+        )
+        assert chunk.shape == (4, 3)  # rows up to the last active one (bucket 4), 3 steps
+        for row in rows:
+            n = turn.count[row] - before[row]
+            tokens[row] += chunk[row, :n].tolist()
+            logprobs[row] += chunk_logprobs[row, :n].tolist()
+    for row in rows:
+        assert tokens[row] == want.tokens[row, : want.count[row]].tolist()
+        np.testing.assert_allclose(logprobs[row], want.logprobs[row, : want.count[row]], atol=1e-5)
+    np.testing.assert_array_equal(turn.stop[:3], want.stop)
+    index = np.asarray(index).astype(np.int64)
+    slots = sampler.fill(params, slots, [0], [[9, 10]], [False], index)
+    np.testing.assert_allclose(np.asarray(slots.logits)[0], want_logits, rtol=1e-5, atol=1e-5)
+    # A row refilled with a shorter prompt (a smaller slot bucket) forgets all its old tokens.
+    slots = sampler.fill(params, slots, [1], [list(range(1, 21))], [True], index)  # 20 tokens: bucket 32
+    index[1] = 20
+    slots = sampler.fill(params, slots, [1], [[3, 4]], [True], index)  # bucket 16
+    row = np.asarray(slots.cache.positions)[1]
+    np.testing.assert_array_equal(np.sort(row[row >= 0]), [0, 1])
+    assert int(np.asarray(slots.cache.index)[1]) == 2
+
+
+def test_forced_turn_lengths():
+    """End-of-turn is masked until the forced length and forced at it; forced 0 leaves a row free."""
+    params = toy_params(6)
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=12, temperature=1.0, eot_ids=(5,)))
+    state = sampler.prefill(params, [[1, 2], [3], [4, 4, 4]])
+    _, turn = sampler.generate(params, state, jax.random.key(3), forced=[4, 11, 0])
+    assert turn.count[:2].tolist() == [4, 11]
+    assert turn.stop[:2].tolist() == [StopReason.END_OF_TURN] * 2
+    for row, n in ((0, 4), (1, 11)):
+        assert not np.isin(turn.tokens[row, : n - 1], (5,)).any() and turn.tokens[row, n - 1] == 5
+        assert turn.logprobs[row, n - 1] == 0.0  # the only choice left: a point mass
+    free = turn.tokens[2, : turn.count[2]]  # row 2 stops when it samples an end-of-turn id, if ever
+    assert np.isin(free, (5,)).sum() == (turn.stop[2] == StopReason.END_OF_TURN)
 
 
 def test_bad_input_is_refused():

@@ -232,6 +232,8 @@ def rollout_config(
         top_k=r.top_k,
         top_p=r.top_p,
         straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
+        num_slots=r.num_slots,
+        decode_chunk=r.decode_chunk,
     )
 
 

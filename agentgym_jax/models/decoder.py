@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.models.cache import KVCache, attention_mask
+from agentgym_jax.models.cache import KVCache, attention_mask, write_positions, write_rows
 from agentgym_jax.models.config import ModelConfig, RopeConfig
 
 Params = dict[str, Any]
@@ -356,17 +356,14 @@ class Attention(nn.Module):
             )
             out, new_kv = grouped_attention(q, segments), (k, v)
         else:
-            # write the chunk first (slots >= index are empty and masked), then attend over the
-            # layer's slots: max_len keys, not max_len + seq (twice for a prefill). Under the scan
-            # the write goes into a local copy of the layer's slice; in the loop, into the stack.
-            start = (0, 0, index, 0) if self.layer is None else (self.layer, 0, 0, index, 0)
-            chunk = (k, v) if self.layer is None else (k[None], v[None])
-            written = tuple(
-                jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start) for buf, new in zip(layer_cache, chunk)
-            )
+            # write the chunk first (each row's slots >= its index are empty and masked), then
+            # attend over the layer's slots: max_len keys, not max_len + seq (twice for a prefill).
+            # Under the scan the write goes into a local copy of the layer's slice; in the loop,
+            # into the stack.
+            written = tuple(write_rows(buf, new, index, self.layer) for buf, new in zip(layer_cache, (k, v)))
             cache_k, cache_v = written if self.layer is None else (buf[self.layer] for buf in written)
             cache_k, cache_v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
-            key_positions = jax.lax.dynamic_update_slice(cache_positions, positions.astype(jnp.int32), (0, index))
+            key_positions = write_positions(cache_positions, positions.astype(jnp.int32), index)
             if x.shape[1] == 1:
                 out = grouped_attention(q, ((cache_k, cache_v, attention_mask(positions, key_positions)),))
             else:
@@ -444,7 +441,7 @@ class Decoder(nn.Module):
         cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
         positions = positions.astype(jnp.int32)
         layer_cache = cache_positions = index = None
-        if cache is not None:  # the cached keys; slots >= index are still empty (position -1)
+        if cache is not None:  # the cached keys; row b's slots >= index[b] are empty (position -1)
             layer_cache, cache_positions, index = (cache.k, cache.v), cache.positions, cache.index
 
         policy = remat_name(self.remat)
@@ -480,15 +477,10 @@ class Decoder(nn.Module):
                 "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
             )
         new_cache = None
-        if cache is not None:  # the chunk goes at slots index .. index + seq
-            write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0, 0, 0, index, 0))
+        if cache is not None:  # row b's chunk goes at its slots index[b] .. index[b] + seq
+            write = lambda buf, x: write_rows(buf, x, index)
             k, v = (write(cache.k, new_kv[0]), write(cache.v, new_kv[1])) if self.scan_layers else layer_cache
-            new_cache = KVCache(
-                k=k,
-                v=v,
-                positions=jax.lax.dynamic_update_slice(cache.positions, positions, (0, index)),
-                index=index + tokens.shape[1],
-            )
+            new_cache = cache.written(k, v, positions)
         return logits, hidden, new_cache
 
 
@@ -561,9 +553,9 @@ def forward(
 ):
     """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
 
-    With a cache, the chunk is written at slots `cache.index .. cache.index + seq` (the caller makes
-    sure it fits: `dynamic_update_slice` clamps, it does not raise) and the returned cache's index has
-    advanced by seq. Without one, attention stays within the given rows (training).
+    With a cache, row b's chunk is written at its slots `cache.index[b] ..` (right-padded rows: real
+    tokens first; writes past the cache's length are dropped) and its index advances by its real
+    tokens (positions >= 0). Without one, attention stays within the given rows (training).
     `dtype` is the compute dtype (default: the parameters' dtype); `remat` is what each layer keeps
     for the backward pass (a key of `REMAT_POLICIES`); `activation_sharding` pins the residual stream
     [batch, seq, hidden] (see `parallel.partition.activation_sharding`); `attention_block` is the

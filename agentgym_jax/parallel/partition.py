@@ -80,7 +80,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     """Shardings for a `KVCache`: rows over the batch axes, key/value heads over `tensor`."""
     kv = P(None, BATCH_AXES, "tensor", None, None)  # [layers, batch, kv_heads, max_len, head_dim]
-    specs = type(cache)(k=kv, v=kv, positions=P(BATCH_AXES, None), index=P())
+    specs = type(cache)(k=kv, v=kv, positions=P(BATCH_AXES, None), index=P(BATCH_AXES))
     return jax.tree.map(
         lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)),
         specs, cache, is_leaf=lambda s: isinstance(s, P),

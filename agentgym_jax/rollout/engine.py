@@ -25,18 +25,20 @@ environment's step rewards (`turn_rewards`); `rollout/batch.py` puts it on the l
 Overlap: environment steps run concurrently on the event loop while the sampler's jitted calls
 run in a worker thread. The sampler takes every episode whose observation has arrived; once one
 has arrived it waits at most `straggler_wait_s` for the others, so fast episodes go on without
-the slowest. Every sampler call writes cache columns for all rows (padding for rows not in it),
-so splitting a batch costs cache space: size `max_cache_len` for the number of calls, not turns.
-Each call samples with `fold_in(rng, call index)`, so a run is reproducible from `rng` when the
-calls are (lock-step, `straggler_wait_s=None`, or greedy sampling).
+the slowest. Every row of the sampler's cache holds its own episode's tokens only (per-row write pointers),
+so splitting a batch over calls costs no cache space. An episode's n-th token of turn t is drawn
+with a key folded from (`rng`, episode slot, t, n), whatever call or batch it is sampled in, so a
+run is reproducible from `rng` and the slot scheduler (`num_slots`, `rollout/slots.py`) gives the
+same trajectories as this turn-batched engine (up to float rounding in batches of other shapes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,8 +50,9 @@ from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.rollout.transcript import PromptStyle, Transcript, empty_trajectory
+from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
-from agentgym_jax.sampling.sampler import Sampler, SamplerState, StopReason, TurnOutput
+from agentgym_jax.sampling.sampler import Sampler, SamplerState, StopReason, Turn, TurnOutput
 
 Params = Any
 
@@ -68,6 +71,8 @@ class RolloutConfig:
     top_p: float = 1.0
     prompt_style: PromptStyle = PromptStyle.SHORT
     straggler_wait_s: float | None = 0.05  # None: every sampler call waits for all observations
+    num_slots: int = 0  # > 0: continuous batching over this many sampler rows (`_SlotRollout`); 0: turn-batched
+    decode_chunk: int = 16  # slots: decode steps between admissions / observation appends
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_style", PromptStyle(self.prompt_style))
@@ -82,6 +87,11 @@ class RolloutConfig:
             raise ValueError(f"invalid_action_limit must be >= 0 (0/None: off), got {self.invalid_action_limit}")
         if self.straggler_wait_s is not None and self.straggler_wait_s < 0:
             raise ValueError(f"straggler_wait_s must be >= 0 or None, got {self.straggler_wait_s}")
+        if self.num_slots < 0 or self.decode_chunk < 1:
+            raise ValueError(
+                f"num_slots must be >= 0 (0: turn-batched) and decode_chunk >= 1, got num_slots="
+                f"{self.num_slots}, decode_chunk={self.decode_chunk}"
+            )
 
     def sampling_config(self, framing: ChatFraming, **overrides: Any) -> SamplingConfig:
         """The sampler settings this rollout needs: stop on the framing's end-of-turn id.
@@ -110,8 +120,18 @@ class RolloutStats:
     wall_s: float
     sampler_busy_s: float  # inside prefill / append / generate
     sampler_wait_s: float  # the sampler idle while episodes waited on the environments
-    sampler_calls: int  # append+generate calls after the prefill
+    sampler_calls: int  # append+generate calls after the prefill (slots: decode chunks)
     turns: int  # policy turns sampled, all episodes together
+    decode_row_steps: int = 0  # rows x steps the decode loops computed (the batch bucket's rows)
+    decode_live_steps: int = 0  # of those, row-steps that sampled a token
+    prompt_tokens_computed: int = 0  # rows x chunk width the prompt prefills ran (padding included)
+    prompt_tokens: int = 0  # real prompt tokens of all episodes
+    cache_slots: int = 0  # KV cache slots the episodes' rows spanned when they ended, all together
+
+    @property
+    def useful_fraction(self) -> float:
+        """Decode row-steps that sampled a token / row-steps computed."""
+        return self.decode_live_steps / self.decode_row_steps if self.decode_row_steps else 0.0
 
     @property
     def wait_fraction(self) -> float:
@@ -120,7 +140,7 @@ class RolloutStats:
 
 @dataclasses.dataclass
 class _Episode:
-    slot: int  # also the sampler row
+    slot: int  # the pool slot (the sampler row of the turn-batched engine)
     task_id: int
     group_id: int
     sample_idx: int
@@ -132,6 +152,9 @@ class _Episode:
     invalid_in_a_row: int = 0
     sample_s: float = 0.0
     env_s: float = 0.0
+    row: int = -1  # slots: the sampler row it holds, -1 when none
+    turn_ids: list[int] = dataclasses.field(default_factory=list)  # slots: the turn being sampled
+    turn_logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 class RolloutEngine:
@@ -151,7 +174,10 @@ class RolloutEngine:
         pool: EnvPool,
         task_info: TaskInfo | None,
         config: RolloutConfig,
+        *,
+        turn_lengths: Callable[[int, int, int], int] | None = None,
     ):
+        """`turn_lengths(task_id, sample_idx, turn)` (benchmarks) forces each turn's length."""
         eot = set(framing.end_of_turn_ids)
         if not eot <= set(sampler.config.eot_ids):
             raise ValueError(
@@ -171,6 +197,7 @@ class RolloutEngine:
         self.pool = pool
         self.task_info = task_info
         self.config = config
+        self.turn_lengths = turn_lengths
         self.last_stats: RolloutStats | None = None
         self._loop: LoopThread | None = None
         self._pool_opened = False
@@ -217,7 +244,8 @@ class RolloutEngine:
         if self.task_info is None:
             self.task_info = await self.pool.tasks()
         # The sampler's copy of the params (bf16 under bf16 compute), made once for the whole run.
-        rollout = _Rollout(self, self.sampler.sampling_params(params), rng, horizon)
+        params = self.sampler.sampling_params(params)
+        rollout = (_SlotRollout if self.config.num_slots else _Rollout)(self, params, rng, horizon)
         n = self.config.group_size
         episodes = [
             _Episode(slot=i * n + j, task_id=int(task), group_id=group_offset + i, sample_idx=j)
@@ -227,6 +255,15 @@ class RolloutEngine:
         await rollout.play(episodes)
         self.last_stats = rollout.stats()
         return [self._trajectory(ep, policy_version) for ep in episodes]
+
+    def forced_lengths(self, episodes: Sequence[_Episode]) -> list[int] | None:
+        """Each episode's forced length of its next turn (0: free), or None without `turn_lengths`."""
+        if self.turn_lengths is None:
+            return None
+        return [
+            self.turn_lengths(ep.task_id, ep.sample_idx, ep.transcript.num_turns) if ep.transcript else 0
+            for ep in episodes
+        ]
 
     def close(self) -> None:
         """Closes the pool (if `run` opened it) and the engine's event loop."""
@@ -279,10 +316,18 @@ class _Rollout:
         self.steps: set[asyncio.Task] = set()
         self.start = time.monotonic()
         self.busy_s = self.wait_s = 0.0
-        self.calls = self.turns = 0
+        self.calls = self.turns = self.cache_slots = 0
+        self.work_at_start = dataclasses.replace(self.sampler.work)
 
     def stats(self) -> RolloutStats:
-        return RolloutStats(time.monotonic() - self.start, self.busy_s, self.wait_s, self.calls, self.turns)
+        work = self.sampler.work.minus(self.work_at_start)
+        return RolloutStats(
+            time.monotonic() - self.start, self.busy_s, self.wait_s, self.calls, self.turns,
+            decode_row_steps=work.decode_row_steps, decode_live_steps=work.decode_live_steps,
+            prompt_tokens_computed=work.prompt_tokens_computed,
+            prompt_tokens=sum(ep.transcript.prompt_len for ep in self.episodes if ep.transcript),
+            cache_slots=self.cache_slots,
+        )
 
     async def play(self, episodes: list[_Episode]) -> None:
         self.episodes = episodes
@@ -296,6 +341,8 @@ class _Rollout:
                     await self._sample_turn(rows)
                 if self.failure is not None:
                     raise self.failure
+            if self.state is not None:
+                self.cache_slots = int(np.asarray(self.state.cache.index)[: len(episodes)].sum())
         finally:
             for task in self.steps:  # only left over when something raised
                 task.cancel()
@@ -361,42 +408,44 @@ class _Rollout:
         in_call = np.zeros((num_rows,), bool)
         in_call[rows] = True
         chunks = [ep.pending if in_call[ep.slot] else () for ep in self.episodes]
-        budget = self.config.max_response_length
-        limits = [
-            min(self.config.max_tokens_per_turn, budget - ep.transcript.response_len - len(ep.pending))
-            if in_call[ep.slot] else 0
-            for ep in self.episodes
-        ]  # fmt: skip
-        rng = jax.random.fold_in(self.rng, self.calls)
+        limits = [self._turn_limit(ep) if in_call[ep.slot] else 0 for ep in self.episodes]
+        seeds = [(ep.slot, ep.transcript.num_turns if ep.transcript else 0) for ep in self.episodes]
         self.calls += 1
-        overflow, turn = await self._in_sampler(lambda: self._append_and_generate(in_call, chunks, limits, rng), rows)
+        overflow, turn = await self._in_sampler(lambda: self._append_and_generate(in_call, chunks, limits, seeds), rows)
         for row in rows:
-            ep = self.episodes[row]
             count = 0 if overflow[row] else int(turn.count[row])
-            if count == 0:  # no room left in the cache: the pending observation is not kept
-                ep.status = EpisodeStatus.TOKEN_BUDGET
-                continue
-            self.turns += 1
-            if ep.pending:
-                ep.transcript.add_observation(ids=ep.pending)
-                ep.pending = ()
-            ids = turn.tokens[row, :count]
             # Unfiltered log-probs at the sampling temperature: the policy the trainer recomputes.
-            ep.transcript.add_policy_turn(ids, turn.raw_logprobs[row, :count])
-            stop = StopReason(int(turn.stop[row]))
-            if stop is StopReason.CACHE_FULL or (
-                stop is StopReason.TOKEN_LIMIT and ep.transcript.response_len >= budget
-            ):
-                ep.status = EpisodeStatus.TOKEN_BUDGET
-                continue
-            text = self.engine.framing.tokenizer.decode(ids, skip_special_tokens=True)
-            self.in_flight += 1
-            task = asyncio.create_task(self._step(ep, text))
-            self.steps.add(task)
-            task.add_done_callback(self.steps.discard)
+            self._end_turn(self.episodes[row], turn.tokens[row, :count], turn.raw_logprobs[row, :count], turn.stop[row])
+
+    def _end_turn(self, ep: _Episode, ids: np.ndarray, logprobs: np.ndarray, stop: int) -> None:
+        """Records a sampled turn and sends it as the action (or ends the episode on a budget)."""
+        if len(ids) == 0:  # no room left in the cache: the pending observation is not kept
+            ep.status = EpisodeStatus.TOKEN_BUDGET
+            return
+        self.turns += 1
+        if ep.pending:
+            ep.transcript.add_observation(ids=ep.pending)
+            ep.pending = ()
+        ep.transcript.add_policy_turn(ids, logprobs)
+        stop = StopReason(int(stop))
+        if stop is StopReason.CACHE_FULL or (
+            stop is StopReason.TOKEN_LIMIT and ep.transcript.response_len >= self.config.max_response_length
+        ):
+            ep.status = EpisodeStatus.TOKEN_BUDGET
+            return
+        text = self.engine.framing.tokenizer.decode(ids, skip_special_tokens=True)
+        self.in_flight += 1
+        task = asyncio.create_task(self._step(ep, text))
+        self.steps.add(task)
+        task.add_done_callback(self.steps.discard)
+
+    def _turn_limit(self, ep: _Episode) -> int:
+        """This turn's token limit: the per-turn limit, or what is left of the episode's budget."""
+        budget = self.config.max_response_length - ep.transcript.response_len - len(ep.pending)
+        return min(self.config.max_tokens_per_turn, budget)
 
     def _append_and_generate(
-        self, in_call: np.ndarray, chunks: list[tuple[int, ...]], limits: list[int], rng: jax.Array
+        self, in_call: np.ndarray, chunks: list[tuple[int, ...]], limits: list[int], seeds: list[tuple[int, int]]
     ) -> tuple[np.ndarray, TurnOutput | None]:
         """(worker thread) -> (overflow [rows] bool, the turn or None if every row overflowed)."""
         live = np.zeros(self.state.live.shape, bool)
@@ -406,8 +455,9 @@ class _Rollout:
         if any(chunks):
             state, overflow = self.sampler.append(self.params, state, chunks)
         turn = None
-        if not overflow.any():  # the chunk bucket is shared: all rows fit or none does
-            state, turn = self.sampler.generate(self.params, state, rng, limit=limits)
+        if not overflow[in_call].all():  # rows that overflowed are no longer live
+            forced = self.engine.forced_lengths(self.episodes)
+            state, turn = self.sampler.generate(self.params, state, self.rng, limit=limits, seeds=seeds, forced=forced)
         self.state = state
         return overflow, turn
 
@@ -441,3 +491,164 @@ class _Rollout:
             else:
                 ep.pending = ids
                 self.ready.add(ep.slot)
+
+
+class _SlotRollout(_Rollout):
+    """Continuous batching: `num_slots` sampler rows shared by any number of episodes.
+
+    Decode runs in chunks of `decode_chunk` steps. Between chunks the host admits waiting
+    episodes into free rows (each distinct prompt prefilled once, copied into the rows of the
+    episodes that share it: a task's group), appends the observations that arrived meanwhile
+    (only those rows are computed) and starts their next turn, while the other rows keep
+    decoding; an episode that ended frees its row. So no episode waits for the slowest turn of a
+    batch, and rows are not left idle once their episode is over.
+    """
+
+    async def play(self, episodes: list[_Episode]) -> None:
+        self.episodes = episodes
+        try:
+            await self._reset_all()
+            waiting = collections.deque(ep for ep in episodes if ep.transcript is not None)
+            self.ready.clear()
+            if not waiting:
+                return
+            num_slots = self.config.num_slots
+            self.state = await asyncio.to_thread(self.sampler.init_slots, self.params, num_slots)
+            batch = self.state.live.shape[0]
+            self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
+            self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
+            self.holder: list[_Episode | None] = [None] * batch
+            free = list(range(num_slots))
+            while waiting or self.in_flight or any(self.holder):
+                for row, ep in enumerate(self.holder):  # episodes that ended give their row back
+                    if ep is not None and ep.status is not None:
+                        self.cache_slots += int(self.index[row])
+                        self.holder[row], self.index[row] = None, 0
+                        free.append(row)
+                admitted = []
+                free.sort()  # the lowest rows first: decode runs over the rows up to the last active one
+                while free and waiting:
+                    ep = waiting.popleft()
+                    ep.row = free.pop(0)
+                    self.holder[ep.row] = ep
+                    admitted.append(ep)
+                if not waiting:
+                    await self._compact(free)
+                arrived = sorted((self.episodes[i] for i in self.ready), key=lambda ep: ep.row)
+                self.ready.clear()
+                if admitted or arrived:
+                    await self._in_sampler(lambda: self._fill(admitted, arrived), [ep.slot for ep in admitted + arrived])
+                if self.turn.active.any():
+                    await self._decode_chunk()
+                elif self.in_flight:
+                    start = time.monotonic()
+                    await self._next_arrival(None)
+                    self.wait_s += time.monotonic() - start
+                if self.failure is not None:
+                    raise self.failure
+        finally:
+            for task in self.steps:  # only left over when something raised
+                task.cancel()
+
+    async def _compact(self, free: list[int]) -> None:
+        """Once no episode waits for a row, moves the episodes of high rows into free low ones, so
+        the rows decode runs over (up to the last active one, bucketed) shrink with the batch."""
+        held = [row for row, ep in enumerate(self.holder) if ep is not None]
+        if not held:
+            return
+        keep = buckets.bucket(len(held), self.sampler.batch_buckets, "rows")
+        moves = list(zip(sorted(r for r in free if r < keep), [r for r in reversed(held) if r >= keep]))
+        if not moves:
+            return
+        dst, src = (list(x) for x in zip(*moves))
+        self.state = await self._in_sampler(lambda: self.sampler.copy(self.state, src, dst), [])
+        for field in self.turn:
+            field[dst] = field[src]
+        self.turn.active[src] = False
+        self.index[dst], self.index[src] = self.index[src], 0
+        for a, b in moves:
+            ep, self.holder[b] = self.holder[b], None
+            self.holder[a], ep.row = ep, a
+            free.remove(a)
+            free.append(b)
+
+    async def _reset_all(self) -> None:
+        start = time.monotonic()
+        pool = self.engine.pool
+        results = await asyncio.gather(*(self._timed(ep, pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
+        self.wait_s += time.monotonic() - start
+        info, style = self.engine.task_info, self.config.prompt_style
+        for ep, result in zip(self.episodes, results):
+            if result.status is not None:
+                ep.status = result.status
+            else:
+                ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style)
+                if ep.transcript.prompt_len > self.sampler.max_cache_len:
+                    raise ValueError(
+                        f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
+                    )
+
+    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
+        """(worker thread) Prefills the admitted episodes' prompts (each distinct one once, then
+        copied), appends the arrived observations, and starts all their turns."""
+        if admitted:
+            first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
+            for ep in admitted:
+                first.setdefault(tuple(ep.transcript.token_ids), ep.row)
+            rows = list(first.values())
+            self.state = self.sampler.fill(
+                self.params, self.state, rows, list(first), [True] * len(rows), self.index
+            )
+            self.index[rows] = [len(p) for p in first]
+            copies = [(first[tuple(ep.transcript.token_ids)], ep.row) for ep in admitted if ep.row not in rows]
+            if copies:
+                src, dst = zip(*copies)
+                self.state = self.sampler.copy(self.state, src, dst)
+                self.index[list(dst)] = self.index[list(src)]
+        fits = [ep for ep in arrived if self.index[ep.row] + len(ep.pending) <= self.sampler.max_cache_len]
+        for ep in arrived:
+            if ep not in fits:  # no room left in the cache: the pending observation is not kept
+                ep.status = EpisodeStatus.TOKEN_BUDGET
+        if fits:
+            rows = [ep.row for ep in fits]
+            self.state = self.sampler.fill(
+                self.params, self.state, rows, [ep.pending for ep in fits], [False] * len(rows), self.index
+            )
+            self.index[rows] += [len(ep.pending) for ep in fits]
+        starting = []
+        for ep in admitted + fits:
+            if self._turn_limit(ep) > 0:
+                starting.append(ep)
+            else:  # no token left in the episode's budget
+                ep.status = EpisodeStatus.TOKEN_BUDGET
+        rows = np.asarray([ep.row for ep in starting], np.int64)
+        forced = self.engine.forced_lengths(starting)
+        turn = self.turn
+        turn.active[rows] = True
+        turn.count[rows] = 0
+        turn.limit[rows] = [self._turn_limit(ep) for ep in starting]
+        turn.forced[rows] = forced if forced is not None else 0
+        turn.seeds[rows] = [(ep.slot, ep.transcript.num_turns) for ep in starting]
+        turn.stop[rows] = StopReason.TOKEN_LIMIT
+        for ep in starting:
+            ep.turn_ids, ep.turn_logprobs = [], []
+
+    async def _decode_chunk(self) -> None:
+        """One chunk of decode steps; turns that ended are recorded and sent as actions."""
+        rows = np.flatnonzero(self.turn.active)
+        count = self.turn.count.copy()
+        steps = self.config.decode_chunk
+        self.state, self.turn, (tokens, _, raw_logprobs, index) = await self._in_sampler(
+            lambda: self.sampler.decode_chunk(self.params, self.state, self.turn, self.rng, steps, self.index),
+            [self.holder[row].slot for row in rows],
+        )
+        self.calls += 1
+        for row in rows:
+            ep = self.holder[row]
+            n = int(self.turn.count[row] - count[row])
+            ep.turn_ids += tokens[row, :n].tolist()
+            ep.turn_logprobs += raw_logprobs[row, :n].tolist()  # unfiltered, at the sampling temperature
+            self.index[row] = index[row]
+            if not self.turn.active[row]:
+                self._end_turn(ep, np.asarray(ep.turn_ids, np.int32), np.asarray(ep.turn_logprobs, np.float32),
+                               self.turn.stop[row])

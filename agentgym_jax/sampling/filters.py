@@ -51,13 +51,17 @@ def _take(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-def sample(rng: jax.Array, logits: jax.Array, config: SamplingConfig) -> Sample:
-    """One token per row from `logits [batch, vocab]`, with its log-probabilities."""
+def sample(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> Sample:
+    """One token per row from `logits [batch, vocab]`, with its log-probabilities.
+
+    `keys [batch]`: one key per row, so a row's draw does not depend on which other rows share
+    the batch (what lets the slot scheduler reproduce a lock-step rollout token for token).
+    """
     scale = 1.0 if config.greedy else config.temperature
     raw = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
     if config.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return Sample(tokens, jnp.zeros(tokens.shape, jnp.float32), _take(raw, tokens))
     filtered = filter_logits(logits, config)
-    tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+    tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
     return Sample(tokens, _take(jax.nn.log_softmax(filtered, axis=-1), tokens), _take(raw, tokens))

@@ -8,6 +8,11 @@ Two pure functions do the work, both over the `KVCache` contract (`models/cache.
   through the model; rows that are done write padding (position -1). The loop stops as soon as
   every row is done, so a batch costs as many steps as its longest turn.
 
+For continuous batching (`rollout.num_slots`): `fill_rows` appends to a few rows only (gathered,
+run, scattered back), `copy_rows` copies a row (a shared prompt), and `decode_slots` runs
+`decode` in chunks over the prefix of rows and slots in use. A `Turn` carries each row's turn
+across chunks.
+
 `Sampler` is the thin Python driver on top: it pads batches, chunks and the cache to shape
 buckets (so nothing recompiles inside a bucket), grows the cache bucket by bucket up to
 `max_cache_len` (so decode attends over the filled part, not the maximum), and reports cache
@@ -52,7 +57,7 @@ class StopReason(enum.IntEnum):
     NOT_LIVE = 0  # the row's episode is over; it sampled nothing
     END_OF_TURN = 1  # it sampled one of `eot_ids` (included in its tokens)
     TOKEN_LIMIT = 2  # it reached its per-turn token limit
-    CACHE_FULL = 3  # the cache reached `max_cache_len` mid-turn; the row is no longer live
+    CACHE_FULL = 3  # the row's real tokens reached `max_cache_len` mid-turn; it is no longer live
 
 
 @flax.struct.dataclass
@@ -63,6 +68,53 @@ class SamplerState:
     logits: jax.Array  # [batch_bucket, vocab] float32: next-token logits of each row
     live: jax.Array  # [batch_bucket] bool: rows whose episode goes on
     num_rows: int = flax.struct.field(pytree_node=False)  # rows the caller has (<= batch_bucket)
+
+
+class Turn(NamedTuple):
+    """Each row's turn in progress; `decode` carries it over as many chunks of steps as it takes.
+
+    A row draws its n-th token of a turn with `fold_in(rng, seeds[b, 0], seeds[b, 1], n)`: the
+    draw depends on the row's own (episode, turn, n), not on the batch it shares or the chunk.
+    """
+
+    active: Any  # [B] bool: still sampling this turn
+    count: Any  # [B] int32: tokens sampled this turn
+    limit: Any  # [B] int32: per-turn token limit (<= max_new_tokens)
+    forced: Any  # [B] int32: 0 free; n > 0: end-of-turn masked before the n-th token, forced at it
+    seeds: Any  # [B, 2] int32: (episode, turn) the row's draws fold into the key
+    stop: Any  # [B] int32 StopReason, final once `active` is False
+
+    @classmethod
+    def start(cls, live, limit, forced=None, seeds=None) -> Turn:
+        """Host arrays for a new turn of the `live [B]` rows (numpy)."""
+        live = np.asarray(live, bool)
+        limit = np.asarray(limit, np.int32)
+        batch = live.shape[0]
+        return cls(
+            active=live & (limit > 0),
+            count=np.zeros((batch,), np.int32),
+            limit=limit,
+            forced=np.zeros((batch,), np.int32) if forced is None else np.asarray(forced, np.int32),
+            seeds=np.zeros((batch, 2), np.int32) if seeds is None else np.asarray(seeds, np.int32),
+            stop=np.where(live, StopReason.TOKEN_LIMIT, StopReason.NOT_LIVE).astype(np.int32),
+        )
+
+
+@dataclasses.dataclass
+class SamplerWork:
+    """What the sampler's calls computed, counted on the host (the benchmark's useful fraction)."""
+
+    decode_row_steps: int = 0  # rows x steps the decode loops ran (every row of the batch bucket)
+    decode_live_steps: int = 0  # of those, row-steps that sampled a token
+    prompt_tokens_computed: int = 0  # rows x chunk width of prompt prefills (padding included)
+
+    def add_decode(self, batch: int, sampled: np.ndarray) -> None:
+        """One decode call over `batch` rows in which row b sampled `sampled[b]` tokens."""
+        self.decode_row_steps += batch * int(sampled.max(initial=0))
+        self.decode_live_steps += int(sampled.sum())
+
+    def minus(self, before: SamplerWork) -> SamplerWork:
+        return SamplerWork(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self)})
 
 
 class TurnOutput(NamedTuple):
@@ -79,13 +131,11 @@ class _DecodeCarry(NamedTuple):
     step: jax.Array  # [] int32
     cache: KVCache
     logits: jax.Array  # [batch, vocab]
-    active: jax.Array  # [batch] bool: still sampling this turn
+    turn: Turn
     next_positions: jax.Array  # [batch] int32
-    count: jax.Array  # [batch] int32
-    stop: jax.Array  # [batch] int32
-    tokens: jax.Array  # [batch, max_new]
-    logprobs: jax.Array  # [batch, max_new]
-    raw_logprobs: jax.Array  # [batch, max_new]
+    tokens: jax.Array  # [batch, steps]
+    logprobs: jax.Array  # [batch, steps]
+    raw_logprobs: jax.Array  # [batch, steps]
 
 
 def append_chunk(
@@ -108,52 +158,70 @@ def append_chunk(
     return cache, jnp.where((lengths > 0)[:, None], last, logits)
 
 
+def _force_turn_lengths(logits: jax.Array, turn: Turn, eot_ids: tuple[int, ...]) -> jax.Array:
+    """End-of-turn ids masked before each row's forced length, and the only choice at it."""
+    is_eot = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(eot_ids)].set(True)  # [V]
+    hold = (turn.count + 1 < turn.forced)[:, None]
+    force = (turn.count + 1 == turn.forced)[:, None]
+    drop = jnp.where(is_eot[None, :], hold, force)  # [B, V]
+    return jnp.where(drop, -jnp.inf, logits)
+
+
 def decode(
     step_fn: StepFn,
     config: SamplingConfig,
     loop_params_fn: LoopParamsFn | None,
+    steps: int,
+    forcing: bool,
     params: Params,
     cache: KVCache,
     logits: jax.Array,
-    live: jax.Array,
-    limit: jax.Array,
+    turn: Turn,
     rng: jax.Array,
-) -> tuple[KVCache, jax.Array, jax.Array, tuple[jax.Array, ...]]:
-    """Samples one turn for the `live [B]` rows, each up to `limit [B]` (<= max_new_tokens) tokens.
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Samples up to `steps` tokens for every active row of `turn` (a whole turn, or one chunk).
 
-    Returns the cache (every sampled token written), the next-token logits, the updated live mask
-    (rows that hit CACHE_FULL drop out) and (tokens, count, logprobs, raw_logprobs, stop).
-    `loop_params_fn` reshapes the params once, before the loop, into what every step reads.
+    Returns the cache (every sampled token written at its row's own slot), the next-token
+    logits, the turn (counts and stops advanced; rows whose real tokens fill the cache stop with
+    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps]: a row that sampled
+    n tokens in this call has them in columns 0..n-1. `loop_params_fn` reshapes the params once,
+    before the loop, into what every step reads; `forcing` applies `turn.forced`.
     """
     if loop_params_fn is not None:
         params = loop_params_fn(params)
-    batch, width = logits.shape[0], config.max_new_tokens
+    batch = logits.shape[0]
     eot_ids = jnp.asarray(config.eot_ids or (-1,), jnp.int32)
-    limit = jnp.minimum(limit, width)
-    buffer = jnp.zeros((batch, width), jnp.float32)
+    buffer = jnp.zeros((batch, steps), jnp.float32)
+    row_keys = jax.vmap(lambda seed: jax.random.fold_in(jax.random.fold_in(rng, seed[0]), seed[1]))(turn.seeds)
+    full = turn.active & (cache.index >= cache.max_len)  # no slot left for the next token
+    turn = turn._replace(
+        active=turn.active & ~full, stop=jnp.where(full, StopReason.CACHE_FULL, turn.stop).astype(jnp.int32)
+    )
 
     def cond(c: _DecodeCarry) -> jax.Array:
-        return jnp.any(c.active) & (c.step < width) & (c.cache.index < c.cache.max_len)
+        return jnp.any(c.turn.active) & (c.step < steps)
 
     def body(c: _DecodeCarry) -> _DecodeCarry:
-        s = sample(jax.random.fold_in(rng, c.step), c.logits, config)
-        tok = jnp.where(c.active, s.tokens, config.pad_id)  # [B]
-        positions = jnp.where(c.active, c.next_positions, -1)
+        t = c.turn
+        keys = jax.vmap(jax.random.fold_in)(row_keys, t.count)
+        s = sample(keys, _force_turn_lengths(c.logits, t, config.eot_ids) if forcing else c.logits, config)
+        tok = jnp.where(t.active, s.tokens, config.pad_id)  # [B]
+        positions = jnp.where(t.active, c.next_positions, -1)
         out, cache = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
-        count = c.count + c.active
-        at_eot = c.active & jnp.isin(tok, eot_ids)
-        at_limit = c.active & (count >= limit)
-        stop = jnp.where(at_eot, StopReason.END_OF_TURN, c.stop)
-        stop = jnp.where(at_limit & ~at_eot, StopReason.TOKEN_LIMIT, stop)
-        column = lambda buf, x: buf.at[:, c.step].set(jnp.where(c.active, x, 0).astype(buf.dtype))
+        count = t.count + t.active
+        at_eot = t.active & jnp.isin(tok, eot_ids)
+        at_limit = t.active & ~at_eot & (count >= t.limit)
+        at_full = t.active & ~at_eot & ~at_limit & (cache.index >= cache.max_len)
+        stop = jnp.where(at_eot, StopReason.END_OF_TURN, t.stop)
+        stop = jnp.where(at_limit, StopReason.TOKEN_LIMIT, stop)
+        stop = jnp.where(at_full, StopReason.CACHE_FULL, stop)
+        column = lambda buf, x: buf.at[:, c.step].set(jnp.where(t.active, x, 0).astype(buf.dtype))
         return _DecodeCarry(
             step=c.step + 1,
             cache=cache,
-            logits=jnp.where(c.active[:, None], out, c.logits),
-            active=c.active & ~at_eot & ~at_limit,
-            next_positions=c.next_positions + c.active,
-            count=count,
-            stop=stop,
+            logits=jnp.where(t.active[:, None], out, c.logits),
+            turn=t._replace(active=t.active & ~at_eot & ~at_limit & ~at_full, count=count, stop=stop),
+            next_positions=c.next_positions + t.active,
             tokens=c.tokens.at[:, c.step].set(tok),
             logprobs=column(c.logprobs, s.logprobs),
             raw_logprobs=(
@@ -165,18 +233,14 @@ def decode(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
         logits=logits,
-        active=live & (limit > 0),
+        turn=turn,
         next_positions=cache.next_positions(),
-        count=jnp.zeros((batch,), jnp.int32),
-        stop=jnp.where(live, StopReason.TOKEN_LIMIT, StopReason.NOT_LIVE).astype(jnp.int32),
-        tokens=jnp.full((batch, width), config.pad_id, jnp.int32),
+        tokens=jnp.full((batch, steps), config.pad_id, jnp.int32),
         logprobs=buffer,
         raw_logprobs=buffer,
     )
     c = jax.lax.while_loop(cond, body, start)
-    stop = jnp.where(c.active, StopReason.CACHE_FULL, c.stop)
-    live = live & (stop != StopReason.CACHE_FULL)
-    return c.cache, c.logits, live, (c.tokens, c.count, c.logprobs, c.raw_logprobs, stop)
+    return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs)
 
 
 def cast_floating(dtype: jnp.dtype, params: Params) -> Params:
@@ -193,6 +257,90 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
         v=jnp.pad(cache.v, pad_kv),
         positions=jnp.pad(cache.positions, ((0, 0), (0, extra)), constant_values=-1),
     )
+
+
+def _prefix(cache: KVCache, rows: int | None, slots: int) -> KVCache:
+    """The first `rows` rows (all if None) and `slots` slots of the cache (a copy)."""
+    r = slice(None) if rows is None else slice(0, rows)
+    return KVCache(
+        k=cache.k[:, r, :, :slots], v=cache.v[:, r, :, :slots], positions=cache.positions[r, :slots], index=cache.index[r]
+    )
+
+
+def _put_prefix(cache: KVCache, sub: KVCache) -> KVCache:
+    """`cache` with `sub` (a `_prefix` of it) written back in place."""
+    put = lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim)
+    return jax.tree.map(put, cache, sub)
+
+
+def decode_slots(
+    step_fn: StepFn,
+    config: SamplingConfig,
+    loop_params_fn: LoopParamsFn | None,
+    steps: int,
+    forcing: bool,
+    rows: int,
+    slots: int,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array,
+    turn: Turn,
+    rng: jax.Array,
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+    """`decode` of the first `rows` rows over their first `slots` slots (what the live rows hold
+    plus `steps`, bucketed), written back into the full cache: a chunk costs what rows hold, not
+    `max_cache_len` x every slot. Rows past `rows` must be inactive; outputs are [rows, ...]."""
+    head = lambda x: x[:rows]
+    sub, sub_logits, sub_turn, arrays = decode(
+        step_fn, config, loop_params_fn, steps, forcing, params, _prefix(cache, rows, slots), head(logits),
+        jax.tree.map(head, turn), rng,
+    )
+    logits = jax.lax.dynamic_update_slice(logits, sub_logits, (0, 0))
+    turn = jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim), turn, sub_turn)
+    return _put_prefix(cache, sub), logits, turn, arrays
+
+
+def fill_rows(
+    step_fn: StepFn,
+    slots: int,
+    params: Params,
+    cache: KVCache,
+    logits: jax.Array,
+    rows: jax.Array,
+    fresh: jax.Array,
+    tokens: jax.Array,
+    lengths: jax.Array,
+) -> tuple[KVCache, jax.Array]:
+    """Appends `tokens [K, T]` to the K rows `rows [K]` only (`fresh [K]`: the row starts empty).
+
+    The rows' first `slots` slots are gathered into a K-row cache, run through the model and
+    scattered back, so the other rows cost nothing. Padding entries of `rows` are out of range
+    (>= batch): dropped.
+    """
+    batch = logits.shape[0]
+    # a fresh row forgets all its old tokens, also those past the `slots` written back below
+    cache = cache.replace(positions=cache.positions.at[jnp.where(fresh, rows, batch)].set(-1, mode="drop"))
+    take = lambda x: jnp.take(x, rows, axis=1 if x.ndim == 5 else 0, mode="clip")
+    sub = _prefix(jax.tree.map(take, cache), None, slots)
+    sub = sub.replace(
+        positions=jnp.where(fresh[:, None], -1, sub.positions), index=jnp.where(fresh, 0, sub.index)
+    )
+    sub, sub_logits = append_chunk(step_fn, params, sub, take(logits), tokens, lengths)
+    put = lambda x, y: (x.at[:, rows, :, :slots] if x.ndim == 5 else x.at[rows, :slots] if x.ndim == 2 else x.at[rows]).set(
+        y, mode="drop"
+    )
+    return jax.tree.map(put, cache, sub), logits.at[rows].set(sub_logits, mode="drop")
+
+
+def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[KVCache, jax.Array]:
+    """Row `dst[i]` becomes a copy of row `src[i]` (cache and logits); out-of-range `dst`: dropped."""
+    take = lambda x: jnp.take(x, src, axis=1 if x.ndim == 5 else 0, mode="clip")
+    return _put_rows(cache, logits, dst, jax.tree.map(take, cache), take(logits))
+
+
+def _put_rows(cache: KVCache, logits: jax.Array, slots: jax.Array, sub: KVCache, sub_logits: jax.Array):
+    put = lambda x, y: (x.at[:, slots] if x.ndim == 5 else x.at[slots]).set(y, mode="drop")
+    return jax.tree.map(put, cache, sub), put(logits, sub_logits)
 
 
 def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any, **kw) -> Callable:
@@ -295,6 +443,7 @@ class Sampler:
         shardings: SamplerShardings | None = None,
         loop_params_fn: LoopParamsFn | None = None,
         sampling_params_fn: SamplingParamsFn | None = None,
+        fill_buckets: Sequence[int] | None = None,
     ):
         self.config = config
         self.shardings = shardings
@@ -312,10 +461,14 @@ class Sampler:
         self.cache_buckets = buckets.check_buckets(
             "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len)
         )
+        self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or self.batch_buckets)
+        if any(b % row_shards for b in self.fill_buckets):
+            raise ValueError(f"fill_buckets {self.fill_buckets} must be multiples of the {row_shards} row shards")
         if self.cache_buckets[-1] != max_cache_len:
             raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
         self._step = step_fn
         self._vocab_size: int | None = None
+        self.work = SamplerWork()
         jit = functools.partial(_jit, shardings)
         self._init_cache = jit(init_cache_fn, ("static", "static"), "cache", static_argnums=(0, 1))
         # The cache and logits are donated: each call updates them in place. With `loop_params_fn`
@@ -330,12 +483,30 @@ class Sampler:
             ("cache", "batch"),
             donate_argnums=(1, 2),
         )
+        turn = Turn(*["batch"] * 6)
         self._decode = jit(
             functools.partial(decode, step_fn, config, loop_params_fn),
-            ("params", "cache", "batch", "batch", "batch", "replicated"),
-            ("cache", "batch", "batch", ("batch",) * 5),
-            donate_argnums=(1, 2),
+            ("static", "static", "params", "cache", "batch", turn, "replicated"),
+            ("cache", "batch", turn, ("batch",) * 3),
+            static_argnums=(0, 1),
+            donate_argnums=(3, 4),
         )
+        self._decode_slots = jit(
+            functools.partial(decode_slots, step_fn, config, loop_params_fn),
+            ("static",) * 4 + ("params", "cache", "batch", turn, "replicated"),
+            ("cache", "batch", turn, ("replicated",) * 3),
+            static_argnums=(0, 1, 2, 3),
+            donate_argnums=(5, 6),
+        )
+        rows = "replicated"  # a few row indices and their chunks: not split over the batch axes
+        self._fill = jit(
+            functools.partial(fill_rows, step_fn),
+            ("static", "params", "cache", "batch", rows, rows, rows, rows),
+            ("cache", "batch"),
+            static_argnums=0,
+            donate_argnums=(2, 3),
+        )
+        self._copy = jit(copy_rows, ("cache", "batch", rows, rows), ("cache", "batch"), donate_argnums=(0, 1))
         # Growing pads into a bigger buffer: donation cannot alias it, `_ensure_capacity` frees the old one.
         self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
@@ -420,7 +591,7 @@ class Sampler:
         """Right-pads the live rows' chunks to a chunk bucket: (tokens [batch, T], lengths [batch])."""
         lengths = np.zeros((batch,), np.int32)
         lengths[: len(chunks)] = [len(c) for c in chunks]
-        lengths *= live
+        lengths *= live[: len(lengths)]
         width = buckets.bucket(max(int(lengths.max()), 1), self.chunk_buckets, "chunk length")
         tokens = np.full((batch, width), self.config.pad_id, np.int32)
         for row, chunk in enumerate(chunks):
@@ -436,11 +607,12 @@ class Sampler:
         batch = buckets.bucket(num_rows, self.batch_buckets, "batch size")
         live = np.arange(batch) < num_rows
         tokens, lengths = self._pad_chunks(prompts, live, batch)
-        if tokens.shape[1] > self.max_cache_len:
-            raise ValueError(f"prompt bucket {tokens.shape[1]} exceeds max_cache_len={self.max_cache_len}")
-        cache = self._init_cache(batch, self._cache_bucket(tokens.shape[1]))
+        if lengths.max() > self.max_cache_len:
+            raise ValueError(f"prompt length {lengths.max()} exceeds max_cache_len={self.max_cache_len}")
+        cache = self._init_cache(batch, self._cache_bucket(int(lengths.max())))
         logits = np.zeros((batch, self._vocab(params, cache)), np.float32)
         cache, logits = self._append(params, cache, logits, tokens, lengths)
+        self.work.prompt_tokens_computed += tokens.size
         return SamplerState(cache=cache, logits=logits, live=jnp.asarray(live), num_rows=num_rows)
 
     def append(
@@ -454,9 +626,8 @@ class Sampler:
 
         `live [rows]` marks the episodes that go on (default: those still live in `state`);
         the others append nothing and stay out of later turns. Returns the new state and
-        `overflow [rows]` bool: live rows whose tokens did not fit in `max_cache_len` (all rows
-        share the write pointer, and the chunk takes its padded bucket width). On overflow the
-        cache is left as it was and those rows are no longer live.
+        `overflow [rows]` bool: live rows whose real tokens would pass `max_cache_len`; those
+        rows append nothing and are no longer live, the others append as usual.
         """
         if len(chunks) != state.num_rows:
             raise ValueError(f"expected {state.num_rows} chunks (one per row), got {len(chunks)}")
@@ -466,15 +637,18 @@ class Sampler:
             if len(live) != state.num_rows:
                 raise ValueError(f"expected {state.num_rows} live flags, got {len(live)}")
             live_rows[: state.num_rows] &= np.asarray(live, bool)
+        index = np.asarray(state.cache.index)
+        lengths = np.zeros((batch,), np.int64)
+        lengths[: state.num_rows] = [len(c) for c in chunks]
+        overflow = live_rows & (index + lengths * live_rows > self.max_cache_len)
+        live_rows &= ~overflow
         tokens, lengths = self._pad_chunks(chunks, live_rows, batch)
-        needed = int(state.cache.index) + tokens.shape[1]
-        if needed > self.max_cache_len:
-            overflow = live_rows[: state.num_rows].copy()
-            return state.replace(live=jnp.zeros_like(state.live)), overflow
-        cache = self._ensure_capacity(state.cache, needed)
-        cache, logits = self._append(params, cache, state.logits, tokens, lengths)
-        no_overflow = np.zeros((state.num_rows,), bool)
-        return state.replace(cache=cache, logits=logits, live=jnp.asarray(live_rows)), no_overflow
+        state = state.replace(live=jnp.asarray(live_rows))
+        if lengths.any():
+            cache = self._ensure_capacity(state.cache, int((index + lengths).max()))
+            cache, logits = self._append(params, cache, state.logits, tokens, lengths)
+            state = state.replace(cache=cache, logits=logits)
+        return state, overflow[: state.num_rows]
 
     def generate(
         self,
@@ -482,23 +656,113 @@ class Sampler:
         state: SamplerState,
         rng: jax.Array,
         limit: Sequence[int] | None = None,
+        *,
+        seeds: np.ndarray | None = None,
+        forced: Sequence[int] | None = None,
     ) -> tuple[SamplerState, TurnOutput]:
-        """Samples one turn for every live row; `limit [rows]` optionally lowers max_new_tokens per row."""
+        """Samples one turn for every live row; `limit [rows]` optionally lowers max_new_tokens per row.
+
+        `seeds [rows, 2]` (default: (row, 0)) name each row's draws (see `Turn`); `forced [rows]`
+        (benchmarks) sets each row's turn length: end-of-turn masked before it, forced at it.
+        """
         width = self.config.max_new_tokens
-        batch = state.live.shape[0]
+        batch, rows = state.live.shape[0], state.num_rows
         row_limit = np.full((batch,), width, np.int32)
         if limit is not None:
-            if len(limit) != state.num_rows:
-                raise ValueError(f"expected {state.num_rows} token limits, got {len(limit)}")
-            row_limit[: state.num_rows] = np.minimum(np.asarray(limit, np.int32), width)
-        cache = self._ensure_capacity(state.cache, int(state.cache.index) + width)
-        cache, logits, live, arrays = self._decode(params, cache, state.logits, state.live, row_limit, rng)
-        tokens, count, logprobs, raw_logprobs, stop = (np.asarray(a)[: state.num_rows] for a in arrays)
-        turn = TurnOutput(
+            if len(limit) != rows:
+                raise ValueError(f"expected {rows} token limits, got {len(limit)}")
+            row_limit[:rows] = np.minimum(np.asarray(limit, np.int32), width)
+        row_seeds = np.stack([np.arange(batch), np.zeros(batch)], axis=1).astype(np.int32)
+        if seeds is not None:
+            row_seeds[:rows] = np.asarray(seeds, np.int32).reshape(rows, 2)
+        row_forced = np.zeros((batch,), np.int32)
+        if forced is not None:
+            row_forced[:rows] = forced
+        turn = Turn.start(np.asarray(state.live), row_limit, row_forced, row_seeds)
+        cache = self._ensure_capacity(state.cache, int(np.asarray(state.cache.index).max()) + width)
+        cache, logits, turn, arrays = self._decode(width, forced is not None, params, cache, state.logits, turn, rng)
+        tokens, logprobs, raw_logprobs = (np.asarray(a)[:rows] for a in arrays)
+        stop, count = np.asarray(turn.stop), np.asarray(turn.count)
+        self.work.add_decode(batch, count)
+        out = TurnOutput(
             tokens=tokens,
-            count=count,
+            count=count[:rows],
             logprobs=logprobs,
             raw_logprobs=raw_logprobs if self.config.return_raw_logprobs else None,
-            stop=stop,
+            stop=stop[:rows],
         )
-        return state.replace(cache=cache, logits=logits, live=live), turn
+        live = jnp.asarray(np.asarray(state.live) & (stop != StopReason.CACHE_FULL))
+        return state.replace(cache=cache, logits=logits, live=live), out
+
+    # Slots (continuous batching, `RolloutConfig.num_slots`): a fixed batch of rows, allocated
+    # once at max_cache_len, that episodes take turns in. Rows are filled and copied
+    # individually, and decoded in chunks of steps over the prefix of rows and slots in use.
+
+    def init_slots(self, params: Params, num_slots: int) -> SamplerState:
+        """`num_slots` empty rows (none live) of `max_cache_len` slots each."""
+        batch = buckets.bucket(num_slots, self.batch_buckets, "number of slots")
+        cache = self._init_cache(batch, self.max_cache_len)
+        logits = np.zeros((batch, self._vocab(params, cache)), np.float32)
+        return SamplerState(cache=cache, logits=logits, live=jnp.zeros((batch,), bool), num_rows=num_slots)
+
+    def fill(
+        self, params: Params, state: SamplerState, rows: Sequence[int], chunks: Sequence[Sequence[int]],
+        fresh: Sequence[bool], index: np.ndarray,
+    ) -> SamplerState:
+        """Appends `chunks[i]` to row `rows[i]` (`fresh[i]`: the row's old tokens are dropped first).
+
+        `index [batch]`: each row's tokens now (host copy of `cache.index`); the caller checks
+        that every row fits in `max_cache_len`. Rows go `fill_buckets[-1]` at a time, over the
+        slot bucket their tokens need.
+        """
+        step = self.fill_buckets[-1]
+        for start in range(0, len(rows), step):
+            part = slice(start, start + step)
+            state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
+        return state
+
+    def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
+        batch = state.live.shape[0]
+        k = buckets.bucket(len(rows), self.fill_buckets, "rows to fill")
+        row_ids = np.full((k,), batch, np.int32)  # out of range: dropped
+        row_ids[: len(rows)] = rows
+        row_fresh = np.zeros((k,), bool)
+        row_fresh[: len(rows)] = fresh
+        tokens, lengths = self._pad_chunks(chunks, np.ones((k,), bool), k)
+        kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(rows)])
+        slots = self._cache_bucket(int((kept + lengths[: len(rows)]).max()))
+        cache, logits = self._fill(slots, params, state.cache, state.logits, row_ids, row_fresh, tokens, lengths)
+        if all(fresh):
+            self.work.prompt_tokens_computed += tokens.size
+        return state.replace(cache=cache, logits=logits)
+
+    def copy(self, state: SamplerState, src: Sequence[int], dst: Sequence[int]) -> SamplerState:
+        """Row `dst[i]` becomes a copy of row `src[i]` (a group's shared prompt, prefilled once)."""
+        batch = state.live.shape[0]
+        k = buckets.bucket(len(dst), self.batch_buckets, "rows to copy")
+        row_src, row_dst = np.zeros((k,), np.int32), np.full((k,), batch, np.int32)
+        row_src[: len(src)], row_dst[: len(dst)] = src, dst
+        cache, logits = self._copy(state.cache, state.logits, row_src, row_dst)
+        return state.replace(cache=cache, logits=logits)
+
+    def decode_chunk(
+        self, params: Params, state: SamplerState, turn: Turn, rng: jax.Array, steps: int, index: np.ndarray
+    ) -> tuple[SamplerState, Turn, tuple[np.ndarray, ...]]:
+        """Up to `steps` decode steps of every active row of `turn` (host arrays [batch]).
+
+        Runs over the first rows up to the last active one and the first slots up to the longest
+        active row (`index [batch]`: each row's tokens) plus `steps`, both bucketed: the steps
+        attend over what the rows hold, not over `max_cache_len`. Returns the state, the turn
+        (host) and the chunk's (tokens, logprobs, raw_logprobs) [rows, steps] and every row's index.
+        """
+        active = np.flatnonzero(turn.active)
+        rows = buckets.bucket(int(active.max()) + 1, self.batch_buckets, "rows")
+        slots = self._cache_bucket(int(index[active].max()) + steps)
+        count = turn.count
+        forcing = bool(np.any(turn.forced))
+        cache, logits, turn, arrays = self._decode_slots(
+            steps, forcing, rows, slots, params, state.cache, state.logits, turn, rng
+        )
+        turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
+        self.work.add_decode(rows, turn.count - count)
+        return state.replace(cache=cache, logits=logits), turn, (*(np.asarray(a) for a in arrays), np.asarray(cache.index))
