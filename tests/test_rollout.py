@@ -503,9 +503,9 @@ class ParamsRecordingSampler(RecordingSampler):
         self.read.append(params)
         return super().append(params, state, chunks, live)
 
-    def generate(self, params, state, rng, limit=None):
+    def generate(self, params, state, rng, limit=None, **kw):
         self.read.append(params)
-        return super().generate(params, state, rng, limit)
+        return super().generate(params, state, rng, limit, **kw)
 
 
 def test_a_bf16_sampler_copies_the_weights_once_per_run(framing, model, maze_url, task_info):

@@ -544,10 +544,10 @@ def test_growing_the_cache_frees_the_old_one(qwen2):
         config, SamplingConfig(max_new_tokens=8, temperature=0.0), max_cache_len=64,
         cache_buckets=(16, 32, 64), chunk_buckets=(16,),
     )
-    state = sampler.prefill(params, [[5, 6, 7], [8]])
+    state = sampler.prefill(params, [list(range(5, 15)), [8]])
     small = state.cache
     assert small.max_len == 16
-    state, _ = sampler.generate(params, state, jax.random.key(0))  # 16 + 8 slots needed: grows to 32
+    state, _ = sampler.generate(params, state, jax.random.key(0))  # row 0 needs 10 + 8 slots: grows to 32
     assert state.cache.max_len == 32
     assert small.k.is_deleted() and small.v.is_deleted() and small.positions.is_deleted()
 
