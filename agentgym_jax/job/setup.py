@@ -190,14 +190,17 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     )
 
 
+def pretrained_params(hf_dir: str, model: ModelConfig, dtype: jnp.dtype, mesh: jax.sharding.Mesh):
+    """A Hugging Face folder's weights, read straight into their shardings over `mesh`."""
+    shapes = hf_checkpoint.param_shapes(model, dtype)
+    return hf_checkpoint.load_pretrained(hf_dir, dtype=dtype, shardings=partition.param_shardings(shapes, mesh), config=model)[1]
+
+
 def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: jax.sharding.Mesh, rng: jax.Array, value_head: bool):
     """Parameters loaded (or initialised) straight into their shardings over `mesh`."""
     dtype = jnp.dtype(config.model.param_dtype)
     if config.model.hf_dir:
-        shapes = hf_checkpoint.param_shapes(model, dtype)
-        _, params = hf_checkpoint.load_pretrained(
-            config.model.hf_dir, dtype=dtype, shardings=partition.param_shardings(shapes, mesh), config=model
-        )
+        params = pretrained_params(config.model.hf_dir, model, dtype, mesh)
         if value_head:
             params["value_head"] = decoder.init_value_head(model, rng, param_dtype=dtype)
         return params

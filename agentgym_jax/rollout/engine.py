@@ -347,7 +347,8 @@ class _Rollout:
             for task in self.steps:  # only left over when something raised
                 task.cancel()
 
-    async def _reset_and_prefill(self) -> None:
+    async def _reset_episodes(self) -> None:
+        """Resets every episode's environment and starts its transcript (a failed reset: its status)."""
         start = time.monotonic()
         pool = self.engine.pool
         results = await asyncio.gather(*(self._timed(ep, pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
@@ -358,7 +359,10 @@ class _Rollout:
                 ep.status = result.status
             else:
                 ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style)
-                self.ready.add(ep.slot)
+
+    async def _reset_and_prefill(self) -> None:
+        await self._reset_episodes()
+        self.ready.update(ep.slot for ep in self.episodes if ep.transcript is not None)
         if not self.ready:
             return
         pad = [self.sampler.config.pad_id]
@@ -573,20 +577,12 @@ class _SlotRollout(_Rollout):
             free.append(b)
 
     async def _reset_all(self) -> None:
-        start = time.monotonic()
-        pool = self.engine.pool
-        results = await asyncio.gather(*(self._timed(ep, pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
-        self.wait_s += time.monotonic() - start
-        info, style = self.engine.task_info, self.config.prompt_style
-        for ep, result in zip(self.episodes, results):
-            if result.status is not None:
-                ep.status = result.status
-            else:
-                ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style)
-                if ep.transcript.prompt_len > self.sampler.max_cache_len:
-                    raise ValueError(
-                        f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
-                    )
+        await self._reset_episodes()
+        for ep in self.episodes:
+            if ep.transcript is not None and ep.transcript.prompt_len > self.sampler.max_cache_len:
+                raise ValueError(
+                    f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
+                )
 
     def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
         """(worker thread) Prefills the admitted episodes' prompts (each distinct one once, then

@@ -16,9 +16,8 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.job import setup
-from agentgym_jax.models import decoder, hf_checkpoint
+from agentgym_jax.models import decoder
 from agentgym_jax.models.config import ModelConfig, load_config
-from agentgym_jax.parallel import partition
 from agentgym_jax.parallel.distributed import gather_objects, process_share
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
@@ -186,10 +185,7 @@ def critic_states(
     dtype = jnp.dtype(config.model.param_dtype)
     model = update.critic_model or update.model
     if config.algo.critic_dir:
-        shapes = hf_checkpoint.param_shapes(model, dtype)
-        _, backbone = hf_checkpoint.load_pretrained(
-            config.algo.critic_dir, dtype=dtype, shardings=partition.param_shardings(shapes, mesh), config=model
-        )
+        backbone = setup.pretrained_params(config.algo.critic_dir, model, dtype, mesh)
     else:
         backbone = {name: jax.tree.map(jnp.copy, p) for name, p in policy_params.items() if name != "value_head"}
     head = decoder.init_value_head(model, jax.random.PRNGKey(config.seed + 4), param_dtype=dtype)
