@@ -10,8 +10,6 @@ import re
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
