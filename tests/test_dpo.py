@@ -94,7 +94,7 @@ def test_hand_computed_pair_and_edges():
 def traj(task, status, sample, env="textcraft", attempt=0, n=5, policy=True):
     mask = [0, 1, 1, 0, 1][:n] if policy else [0] * n
     return Trajectory(task_id=task, env=env, group_id=task, token_ids=list(range(10 * task, 10 * task + n)),
-                      loss_mask=mask, logprobs=[0.0] * n, turn_spans=[(1, 3)], turn_rewards=[0.0],
+                      loss_mask=mask, logprobs=[0.0] * n, turn_spans=[(1, min(3, n))], turn_rewards=[0.0],
                       reward=1.0 if status == S.SUCCESS else 0.0, status=status, sample_idx=sample,
                       attempt=attempt)  # fmt: skip
 

@@ -53,10 +53,13 @@ def test_to_scalars_flattens_nested_dicts():
 
 
 def _tensorboard_scalars(logdir, tag):
-    """(step, value) of `tag` as TensorBoard shows it: event files in order, and a file's
-    SessionLog START at step s discards what earlier files logged at steps >= s."""
+    """(step, value) of `tag` as TensorBoard shows it: event files in the order they were written
+    (by their first event's wall time: names written in one second carry a process-wide counter,
+    which does not sort as text), and a file's SessionLog START at step s discards what earlier
+    files logged at steps >= s."""
     points = {}
-    for path in sorted(glob.glob(str(logdir / "tensorboard" / "events.*"))):
+    paths = glob.glob(str(logdir / "tensorboard" / "events.*"))
+    for path in sorted(paths, key=lambda path: next(iter(_read_events(path))).wall_time):
         for e in _read_events(path):
             if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START:
                 points = {s: v for s, v in points.items() if s < e.step}

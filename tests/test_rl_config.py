@@ -20,7 +20,7 @@ MODEL = ModelConfig.small()
 # (config.rollout, via jobs.rl_temperature), the mesh, the token budget (config.rollout), the
 # critic's architecture (read from algo.critic_dir) and the estimator's extra hyper-parameters
 # (`advantage_hparams`, a Python-config-only dict).
-NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "activation_sharding", "advantage_hparams",
+NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "logprob_chunk", "activation_sharding", "advantage_hparams",
             "grouped", "max_response_length"}
 # A valid value other than the default for every key.
 OVERRIDES = {

@@ -49,7 +49,7 @@ def rollout_batch(framing, model, maze_url, task_info, dtype):  # noqa: F811
 
 def gap(model, batch, temperature):
     config = steps.UpdateConfig(model=model[0], temperature=temperature)
-    _, metrics = jax.jit(steps.prepare, static_argnames="config")(model[1], model[1], batch, config)
+    _, metrics = jax.jit(steps.prepare, static_argnames="config")(model[1], model[1], batch, config=config)
     return float(metrics["logprob_gap"])
 
 

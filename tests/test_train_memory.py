@@ -99,8 +99,8 @@ def test_prepare_runs_one_micro_batch_at_a_time_and_equals_one_pass():
     split = steps.UpdateConfig(model=MODEL, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
     whole = dataclasses.replace(split, num_minibatches=1, num_microbatches=1)
     ref = jax.tree.map(lambda x: x * 1.01, params)
-    got, got_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, split)
-    want, want_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, whole)
+    got, got_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=split)
+    want, want_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=whole)
     for name in ("old_logprobs", "ref_logprobs", "advantages", "returns"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, err_msg=name)
     for key in want_metrics:

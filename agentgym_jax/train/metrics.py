@@ -46,7 +46,10 @@ class MetricsLogger:
         if start_step > 0:
             truncate_metrics(self.jsonl_path, start_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(os.path.join(logdir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self._tb = SummaryWriter(  # files are named by the second they open in: the suffix keeps a resume's apart
+            os.path.join(logdir, "tensorboard"), purge_step=start_step + 1 if start_step else None,
+            filename_suffix=f".{os.getpid()}.{start_step}",
+        )
         self._bar = tqdm.tqdm(
             total=total_steps, initial=start_step, desc="train", disable=not console, dynamic_ncols=True
         )
