@@ -31,6 +31,7 @@ def _command(workdir: pathlib.Path) -> list[str]:
             "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
             "eval.num_tasks": 2, "eval.horizon": 2,
             "rollout.batch_tasks": 2, "rollout.group_size": 2, "rollout.lock_step": True,
+            "algo.num_minibatches": 1,  # the 4 rows, padded to 8, are one row per device of the 8-device mesh
             "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
             "horizon.rounds": "(1,2)", "horizon.steps_per_stage": 2,
             "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,

@@ -257,11 +257,15 @@ def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing:
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
     compute dtype. Give it params on that mesh, e.g. `distributed.to_local(params, job.mesh,
     job.sampler_mesh)`."""
+    sampling = rollout.sampling_config(framing)
+    if jax.process_count() > 1:
+        # The sampler's host inputs are numpy, which a multi-process job cannot pass with non-trivial
+        # shardings: until the sampler places them itself, each process samples unsharded (its
+        # params replicated over its own devices).
+        return Sampler.for_decoder(model, sampling, max_cache_len=config.rollout.max_cache_len,
+                                   dtype=jnp.dtype(config.model.compute_dtype))
     return Sampler.sharded_decoder(
-        model,
-        rollout.sampling_config(framing),
-        sampler_mesh(config),
-        max_cache_len=config.rollout.max_cache_len,
+        model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
         dtype=config.model.compute_dtype,
     )
 
