@@ -2,9 +2,10 @@
 127.0.0.1 (gloo collectives), against one process with 8 devices.
 
 Each process plays its share of the tasks on its own servers and samples on its own devices;
-the update runs on global arrays. Greedy sampling (temperature 0) makes the episodes a function
-of the params alone, so the two layouts must give the same tokens and, up to float reduction
-order, the same metrics; REINFORCE++ with one sample per task gives nonzero advantages, so the
+the update runs on global arrays. Every episode's draws fold in its global number (task index x
+group size + sample), so sampling at temperature 1 gives each episode the same tokens whichever
+process plays it: the two layouts must give the same tokens and, up to float reduction order, the
+same metrics; REINFORCE++ with one sample per task gives nonzero advantages, so the
 params (and with them the later steps' tokens) move with every update.
 """
 
@@ -109,13 +110,13 @@ def _launch(config: str, overrides: dict) -> list[str]:
 
 
 def _rl_command(workdir: pathlib.Path) -> list[str]:
-    """tests/test_rl_job.py's tiny job, greedy, one sample per task, 4 tasks (2 per process)."""
+    """tests/test_rl_job.py's tiny job, one sample per task at temperature 1, 4 tasks (2 per process)."""
     return _launch("quickstart.py", {
         "workdir": workdir, "seed": 3,
         "train.steps": STEPS, "train.checkpoint_every": 1, "train.keep_checkpoints": 10,
         "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
         "eval.num_tasks": 2, "eval.horizon": 2,
-        "rollout.batch_tasks": 4, "rollout.group_size": 1, "rollout.lock_step": True, "rollout.temperature": 0.0,
+        "rollout.batch_tasks": 4, "rollout.group_size": 1, "rollout.lock_step": True, "rollout.temperature": 1.0,
         "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
         "algo.advantage": "reinforce_plus_plus", "algo.num_minibatches": 1,
         "horizon.rounds": "(1,2)", "horizon.steps_per_stage": 2,
@@ -163,7 +164,10 @@ def test_rl_on_two_processes_matches_one_process_and_resumes_after_sigkill(tmp_p
     for step in a:
         assert sorted(a[step]) == sorted(b[step])
         for key in a[step]:
-            np.testing.assert_allclose(b[step][key], a[step][key], rtol=1e-4, atol=1e-6, err_msg=f"step {step} {key}")
+            # A step whose advantages cancel has a gradient of pure float noise (~1e-6 here), and the
+            # noise depends on the layout's reduction order: its norm is compared in absolute terms.
+            atol = 1e-5 if key == "grad_norm" else 1e-6
+            np.testing.assert_allclose(b[step][key], a[step][key], rtol=1e-4, atol=atol, err_msg=f"step {step} {key}")
     assert a[STEPS]["status/success"] + a[STEPS]["status/failure"] + a[STEPS]["status/max_turns"] == 4
     assert max(a[s]["grad_norm"] for s in a) > 0  # an update moved the params, so later tokens depend on it
 

@@ -144,6 +144,8 @@ class _Episode:
     task_id: int
     group_id: int
     sample_idx: int
+    seed: int  # what its draws fold in: (group_offset + task index) * group_size + sample, the same
+    # episode's number whichever process (or engine run) plays it
     transcript: Transcript | None = None  # None until reset succeeded
     pending: tuple[int, ...] = ()  # observation ids to append before the next turn
     status: EpisodeStatus | None = None
@@ -248,7 +250,8 @@ class RolloutEngine:
         rollout = (_SlotRollout if self.config.num_slots else _Rollout)(self, params, rng, horizon)
         n = self.config.group_size
         episodes = [
-            _Episode(slot=i * n + j, task_id=int(task), group_id=group_offset + i, sample_idx=j)
+            _Episode(slot=i * n + j, task_id=int(task), group_id=group_offset + i, sample_idx=j,
+                     seed=(group_offset + i) * n + j)
             for i, task in enumerate(task_ids)
             for j in range(n)
         ]
@@ -413,11 +416,14 @@ class _Rollout:
         in_call[rows] = True
         chunks = [ep.pending if in_call[ep.slot] else () for ep in self.episodes]
         limits = [self._turn_limit(ep) if in_call[ep.slot] else 0 for ep in self.episodes]
-        seeds = [(ep.slot, ep.transcript.num_turns if ep.transcript else 0) for ep in self.episodes]
+        seeds = [(ep.seed, ep.transcript.num_turns if ep.transcript else 0) for ep in self.episodes]
         self.calls += 1
         overflow, turn = await self._in_sampler(lambda: self._append_and_generate(in_call, chunks, limits, seeds), rows)
         for row in rows:
-            count = 0 if overflow[row] else int(turn.count[row])
+            if overflow[row]:  # its observation did not fit (`turn` is None when no row's did)
+                self._end_turn(self.episodes[row], np.zeros(0, np.int32), np.zeros(0, np.float32), StopReason.CACHE_FULL)
+                continue
+            count = int(turn.count[row])
             # Unfiltered log-probs at the sampling temperature: the policy the trainer recomputes.
             self._end_turn(self.episodes[row], turn.tokens[row, :count], turn.raw_logprobs[row, :count], turn.stop[row])
 
@@ -624,7 +630,7 @@ class _SlotRollout(_Rollout):
         turn.count[rows] = 0
         turn.limit[rows] = [self._turn_limit(ep) for ep in starting]
         turn.forced[rows] = forced if forced is not None else 0
-        turn.seeds[rows] = [(ep.slot, ep.transcript.num_turns) for ep in starting]
+        turn.seeds[rows] = [(ep.seed, ep.transcript.num_turns) for ep in starting]
         turn.stop[rows] = StopReason.TOKEN_LIMIT
         for ep in starting:
             ep.turn_ids, ep.turn_logprobs = [], []
