@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_rollout import framing, maze_url, task_info  # noqa: F401 (fixtures)
+from test_rollout import framing, maze_url, random_params, task_info  # noqa: F401 (fixtures)
 
 from agentgym_jax.config import ConfigError, load_config_file
 from agentgym_jax.envs.pool import EnvPool
-from agentgym_jax.models import decoder
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
@@ -27,15 +26,7 @@ TEMPERATURE = 0.7
 def model(framing):  # noqa: F811
     """A random small decoder with weights large enough for peaked, input-dependent logits."""
     config = ModelConfig.small(vocab_size=len(framing.tokenizer))
-    shapes = jax.eval_shape(lambda key: decoder.init_params(config, key), jax.random.key(0))
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        if "norm" in jax.tree_util.keystr(path):
-            return np.ones(leaf.shape, leaf.dtype)
-        return (0.15 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
-
-    return config, jax.tree_util.tree_map_with_path(draw, shapes)
+    return config, random_params(config, 0.15)
 
 
 def rollout_batch(framing, model, maze_url, task_info, dtype):  # noqa: F811

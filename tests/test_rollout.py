@@ -48,18 +48,23 @@ def framing(tmp_path_factory) -> ChatFraming:
 
 @pytest.fixture(scope="module")
 def model(framing):
-    """A random `ModelConfig.small` decoder: weights drawn on the host from the shapes `init_params`
-    gives (N(0, 0.02) matrices, unit norms), which skips compiling the Flax init."""
+    """A random `ModelConfig.small` decoder (N(0, 0.02) matrices, unit norms)."""
     config = ModelConfig.small(vocab_size=len(framing.tokenizer))
+    return config, random_params(config, 0.02)
+
+
+def random_params(config: ModelConfig, scale: float):
+    """Weights drawn on the host from the shapes `init_params` gives (N(0, scale) matrices, unit
+    norms), which skips compiling the Flax init."""
     shapes = jax.eval_shape(lambda key: decoder.init_params(config, key), jax.random.key(0))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
         if "norm" in jax.tree_util.keystr(path):
             return np.ones(leaf.shape, leaf.dtype)
-        return (0.02 * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+        return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
 
-    return config, jax.tree_util.tree_map_with_path(draw, shapes)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 @pytest.fixture(scope="module")
