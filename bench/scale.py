@@ -155,6 +155,8 @@ def device_bytes(tree: Any) -> int:
     """Bytes per device of a pytree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if not hasattr(x, "dtype"):  # static Python arguments (a chunk size, a flag) take no device memory
+            continue
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
     return total
