@@ -80,9 +80,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # docs/algorithms.md has the formula and paper of each. A bad value is refused at start-up.
     config.algo = ml_collections.ConfigDict()
     config.algo.advantage = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | gae
+    config.algo.advantage_epsilon = 0.0  # guard of the std divisor (grpo, reinforce_plus_plus); 0: theirs (1e-6, 1e-8)
     config.algo.gamma = 1.0  # discount of reinforce_plus_plus and gae
     config.algo.lam = 1.0  # GAE's lambda
     config.algo.discount = "token"  # gamma/lam applied per policy token, or per turn ("turn")
+    config.algo.whiten = True  # GAE's advantages whitened over the batch (verl's default)
     config.algo.ppo_epochs = 2  # passes over each rollout batch
     config.algo.num_minibatches = 2  # optimizer updates per epoch
     config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch

@@ -18,13 +18,12 @@ from agentgym_jax.train.steps import UpdateConfig
 MODEL = ModelConfig.small()
 # Fields that come from elsewhere: the model and its dtypes (config.model), the temperature
 # (config.rollout, via jobs.rl_temperature), the mesh, the token budget (config.rollout), the
-# critic's architecture (read from algo.critic_dir) and the estimator's extra hyper-parameters
-# (`advantage_hparams`, a Python-config-only dict).
-NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "logprob_chunk", "activation_sharding", "advantage_hparams",
+# critic's architecture (read from algo.critic_dir).
+NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "logprob_chunk", "activation_sharding",
             "grouped", "max_response_length"}
 # A valid value other than the default for every key.
 OVERRIDES = {
-    "advantage": "rloo", "gamma": 0.9, "lam": 0.95, "discount": "turn", "ppo_epochs": 3, "num_minibatches": 4,
+    "advantage": "dr_grpo", "advantage_epsilon": 1e-4, "gamma": 0.9, "lam": 0.95, "discount": "turn", "whiten": False, "ppo_epochs": 3, "num_minibatches": 4,
     "num_microbatches": 2, "policy_loss": "gspo", "clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip_c": 3.0,
     "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01, "vf_coef": 0.25,
     "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
@@ -49,7 +48,8 @@ def test_every_field_is_a_config_key_and_every_override_arrives():
     update, rules = jobs.update_config(config, MODEL), jobs.batch_filter(config)
     for key, value in OVERRIDES.items():
         assert getattr(update if hasattr(update, key) else rules, key) == value, key
-    assert rules.grouped  # rloo's baseline is its group; the estimator reaches the filter
+    assert update.estimator_kwargs()["epsilon"] == 1e-4
+    assert rules.grouped  # dr_grpo's baseline is its group; the estimator reaches the filter
     assert not jobs.batch_filter(parse("--config.algo.advantage=gae")).grouped
 
 
@@ -71,6 +71,8 @@ def test_zero_means_off_for_optional_thresholds():
     (["--config.algo.kl_estimator=k4"], "kl_estimator='k4' is not one of k1, k2, k3, low_var_kl"),
     (["--config.algo.decoupled_ppo=True", "--config.algo.is_correction=token"], "decoupled_ppo weights the loss"),
     (["--config.algo.is_cap=0"], "is_cap must be > 0, got 0"),
+    (["--config.algo.advantage=rloo", "--config.algo.advantage_epsilon=1e-5"], "advantage_epsilon is not used by rloo"),
+    (["--config.algo.advantage_epsilon=-1e-5"], "advantage_epsilon must be > 0"),
 ])
 def test_bad_update_values_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -130,17 +130,19 @@ def rl_temperature(config: ml_collections.ConfigDict) -> float:
 def update_config(config: ml_collections.ConfigDict, model: ModelConfig, temperature: float = 1.0) -> UpdateConfig:
     """`config.algo` as an `UpdateConfig` (`temperature`: `rl_temperature(config)` for RL).
 
-    Optional thresholds use 0 for "off" in configs (`dual_clip_c`, `loss_norm_length`).
+    Optional values use 0 for "off" / "the default" in configs (`dual_clip_c`, `loss_norm_length`,
+    `advantage_epsilon`).
     """
     a = config.algo
     try:
         return UpdateConfig(
             model=model,
             advantage=a.advantage,
-            advantage_hparams=tuple(sorted(dict(a.get("advantage_hparams", {})).items())),
+            advantage_epsilon=a.advantage_epsilon or None,
             gamma=a.gamma,
             lam=a.lam,
             discount=a.discount,
+            whiten=a.whiten,
             ppo_epochs=a.ppo_epochs,
             num_minibatches=a.num_minibatches,
             num_microbatches=a.num_microbatches,

@@ -57,7 +57,7 @@ IS_CORRECTIONS = ("none", *IS_LEVELS)
 # own parameters and optimizer (a second TrainState; verl's default).
 CRITICS = ("shared", "separate")
 # Advantage hyper-parameters that are fields of `UpdateConfig` (config keys `algo.<name>`).
-_ADVANTAGE_FIELDS = ("gamma", "lam", "discount")
+_ADVANTAGE_FIELDS = ("gamma", "lam", "discount", "whiten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +69,11 @@ class UpdateConfig:
 
     model: ModelConfig
     advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
-    advantage_hparams: tuple[tuple[str, float], ...] = ()  # others of the estimator, e.g. (("epsilon", 1e-6),)
+    advantage_epsilon: float | None = None  # the std divisor's guard (grpo, dr_grpo, reinforce_plus_plus); None: theirs
     gamma: float = 1.0  # discount of REINFORCE++ and GAE
     lam: float = 1.0  # GAE's lambda
     discount: str = "token"  # gamma and lam per policy token or per turn (rl.advantages.DISCOUNTS)
+    whiten: bool = True  # GAE's advantages whitened over the batch (verl's default)
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
@@ -121,7 +122,8 @@ class UpdateConfig:
                  num_microbatches=self.num_microbatches)
         at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                  kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
-        at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length)
+        at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length,
+                 advantage_epsilon=self.advantage_epsilon)
         at_least(1, True, dual_clip_c=self.dual_clip_c)
         for name, value in (("gamma", self.gamma), ("lam", self.lam)):
             if not 0 <= value <= 1:
@@ -130,11 +132,8 @@ class UpdateConfig:
             raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
         if self.decoupled_ppo and self.is_correction != "none":
             raise ValueError(f"decoupled_ppo weights the loss already; is_correction must be 'none', got {self.is_correction!r}")
-        given = dict(self.advantage_hparams)
-        if doubled := sorted(set(given) & set(_ADVANTAGE_FIELDS)):
-            raise ValueError(f"advantage_hparams sets {doubled}: they are UpdateConfig fields (algo.<name>)")
-        if unknown := sorted(set(given) - estimator_hparams(self.advantage)):
-            raise ValueError(f"{self.advantage} takes no {unknown}; valid: {sorted(estimator_hparams(self.advantage))}")
+        if self.advantage_epsilon is not None and "epsilon" not in estimator_hparams(self.advantage):
+            raise ValueError(f"advantage_epsilon is not used by {self.advantage} (it divides by no std); leave it unset (0)")
         remat_name(self.remat)  # raises on an unknown policy, naming the valid ones
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
@@ -167,9 +166,10 @@ class UpdateConfig:
         return self.decoupled_ppo or self.is_correction != "none"
 
     def estimator_kwargs(self) -> dict[str, Any]:
-        """The advantage estimator's hyper-parameters: the fields it takes plus `advantage_hparams`."""
+        """The advantage estimator's hyper-parameters: the fields it takes (epsilon only if set)."""
         takes = estimator_hparams(self.advantage)
-        return {**{k: getattr(self, k) for k in _ADVANTAGE_FIELDS if k in takes}, **dict(self.advantage_hparams)}
+        kwargs = {k: getattr(self, k) for k in _ADVANTAGE_FIELDS if k in takes}
+        return kwargs if self.advantage_epsilon is None else {**kwargs, "epsilon": self.advantage_epsilon}
 
 
 @flax.struct.dataclass
