@@ -23,10 +23,14 @@ TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
 STEPS = 4
 
 
-def _command(workdir: pathlib.Path) -> list[str]:
+# PPO with a separate critic: its parameters and optimizer state are a third part of the checkpoint.
+SEPARATE_CRITIC = {"algo.advantage": "gae", "algo.critic": "separate", "algo.lam": 0.95}
+
+
+def _command(workdir: pathlib.Path, algo: dict) -> list[str]:
     """A tiny job: every number is as small as the path through the code allows."""
     overrides = dict(
-        workdir=workdir, seed=3, **{
+        workdir=workdir, seed=3, **algo, **{
             "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10,
             "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
             "eval.num_tasks": 2, "eval.horizon": 2,
@@ -43,8 +47,8 @@ def _command(workdir: pathlib.Path) -> list[str]:
     ]
 
 
-def _run(workdir: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(workdir), cwd=REPO, capture_output=True, text=True, timeout=900)
+def _run(workdir: pathlib.Path, algo: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(workdir, algo), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
 def _per_step(records: list[dict]) -> dict[int, dict]:
@@ -66,13 +70,14 @@ def _trajectories_by_step(workdir: pathlib.Path) -> dict[int, list[tuple]]:
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_exactly(tmp_path):
-    straight = _run(tmp_path / "straight")
+@pytest.mark.parametrize("algo", [{}, SEPARATE_CRITIC], ids=["grpo", "gae-separate-critic"])
+def test_sigkilled_run_resumes_exactly(tmp_path, algo):
+    straight = _run(tmp_path / "straight", algo)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "summary: env=room" in straight.stdout.strip().splitlines()[-1]
 
     resumed_dir = tmp_path / "resumed"
-    proc = subprocess.Popen(_command(resumed_dir), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(_command(resumed_dir, algo), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 600
     metrics_path = resumed_dir / "metrics.jsonl"
@@ -84,12 +89,13 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     proc.wait()
     assert not (resumed_dir / "checkpoints" / str(STEPS)).exists()
 
-    resumed = _run(resumed_dir)
+    resumed = _run(resumed_dir, algo)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     a = _per_step(read_metrics(str(tmp_path / "straight" / "metrics.jsonl")))
     b = _per_step(read_metrics(str(resumed_dir / "metrics.jsonl")))
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert any(k.startswith("critic/") for k in a[STEPS]) == bool(algo)  # the critic trained, and is compared
     curve = _tensorboard_scalars(resumed_dir, "success_rate")
     assert curve == [(s, b[s]["success_rate"]) for s in range(1, STEPS + 1)]
     for step in range(3, STEPS + 1):  # the steps taken after the restart
