@@ -124,6 +124,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.sft.num_tasks = 200  # training tasks with an oracle demonstration
     config.sft.epochs = 6  # a weak start on purpose: 20 epochs reach ~86% held-out, leaving RL little to show
     config.sft.batch_size = 16
+    config.sft.length_window = 8  # batches sorted by length within runs of 8, each padded to its own longest; 1: unsorted
     config.sft.lr = 3e-3
 
     config.train = ml_collections.ConfigDict()

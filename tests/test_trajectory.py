@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.batch import bucket, length_grouped_batches, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, truncate_jsonl, write_jsonl
 
 
@@ -118,3 +118,18 @@ def test_turn_spans_outside_the_tokens_are_rejected():
 def test_bucket_is_the_smallest_power_of_two_or_one_and_a_half_times_one_at_least_the_length():
     assert [bucket(n) for n in (1, 16, 17, 24, 25, 100, 128, 129, 300, 385)] == [16, 16, 24, 24, 32, 128, 128, 192, 384, 512]
     assert bucket(5, minimum=64) == 64 and bucket(65, minimum=64) == 96
+
+
+def test_length_grouped_batches_cover_every_row_once_and_pad_less():
+    lengths = np.random.default_rng(0).lognormal(6.4, 0.35, size=203).astype(int)  # like Maze's 350-1400 demos
+    batches = length_grouped_batches(lengths, 16, np.random.default_rng(1), window=4)
+    assert sorted(np.concatenate(batches)) == list(range(203))
+    assert sorted(len(b) for b in batches)[1:] == [16] * 12  # one short batch: the data's tail
+    for b in batches:  # a batch is a run of one window's sorted rows: nothing of its window lies between its ends
+        assert list(lengths[b]) == sorted(lengths[b])
+    padded = sum(bucket(lengths[b].max()) * len(b) for b in batches)
+    plain = length_grouped_batches(lengths, 16, np.random.default_rng(1), window=1)
+    assert sorted(np.concatenate(plain)) == list(range(203))
+    assert padded < 0.85 * sum(bucket(lengths[b].max()) * len(b) for b in plain) < 0.85 * bucket(lengths.max()) * 203
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        length_grouped_batches(lengths, 16, np.random.default_rng(1), window=0)

@@ -42,9 +42,30 @@ def bucket(n: int, minimum: int = 16) -> int:
     cost grows with the square of the length, so padding 300 tokens to 384 rather than 512 saves
     almost half of it.
     """
-    n = max(n, minimum)
+    n = max(int(n), minimum)
     power = 1 << max(0, n - 1).bit_length()  # smallest power of two >= n
     return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
+
+
+def length_grouped_batches(lengths: Sequence[int], batch_size: int, rng: np.random.Generator, window: int) -> list[np.ndarray]:
+    """One epoch's batches (row indices): shuffled, then sorted by length within each run of `window`
+    batches, in shuffled batch order, so a batch pads to its own longest row instead of the data's.
+
+    Rows of similar length share a batch (with a median demonstration of 600 tokens and a longest of
+    1400, padding every batch to the longest computes more than twice the real tokens); the
+    window keeps batches random across the data. `window=1`: plain shuffled batches.
+    """
+    if batch_size < 1 or window < 1:
+        raise ValueError(f"batch_size and window must be >= 1, got {batch_size} and {window}")
+    lengths = np.asarray(lengths)
+    order = rng.permutation(len(lengths))
+    span = batch_size * window
+    batches = []
+    for start in range(0, len(order), span):
+        chunk = order[start : start + span]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
 def make_token_batch(

@@ -133,7 +133,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             state, step_fns = phases.fresh_state(init, rows=len(data), epochs=epochs)
             state, history = sft_train(
                 state, data, updates, batch_size=config.sft.batch_size,
-                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns, progress=is_writer(),
+                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
+                length_window=config.sft.length_window, progress=is_writer(),
             )
             result = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
             record = {

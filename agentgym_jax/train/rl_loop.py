@@ -87,7 +87,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 sft_state, history = sft_train(
                     sft_state, successes, updates,
                     batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
-                    progress=is_writer(),
+                    length_window=config.sft.length_window, progress=is_writer(),
                 )
                 fresh_opt = jax.jit(state.tx.init, out_shardings=state_shardings.opt_state)  # placed like the state
                 state = state.replace(params=sft_state.params, opt_state=fresh_opt(sft_state.params))

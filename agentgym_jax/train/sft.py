@@ -1,7 +1,8 @@
 """Behaviour cloning on trajectories: the same token batches and masks as RL, NLL loss.
 
-Used as the warm start before RL (on oracle demonstrations) and by AgentEvol. All batches share
-one padded shape, so the jitted step compiles once.
+Used as the warm start before RL (on oracle demonstrations) and by AgentEvol. Batches group rows
+of similar length and pad to their own bucket (`length_grouped_batches`), so the jitted step
+compiles once per bucket, not per batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax.parallel.distributed import rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
-from agentgym_jax.rollout.batch import bucket, make_token_batch
+from agentgym_jax.rollout.batch import bucket, length_grouped_batches, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.state import TrainState
 from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
@@ -34,11 +35,13 @@ def sft_train(
     batch_size: int,
     epochs: int,
     seed: int,
+    length_window: int = 8,
     progress: bool = True,
     mesh: Mesh | None = None,
     step_fns: StepFns | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """`epochs` passes over `trajectories` in seeded shuffled order; metrics of every update.
+    """`epochs` passes over `trajectories` in seeded shuffled order, batches sorted by length within
+    runs of `length_window` batches (1: unsorted); metrics of every update.
 
     With a `mesh`, the state is placed by `train_state_shardings` and batch rows are split over
     ("data", "fsdp") (batches padded with empty rows to a multiple of that split; with several
@@ -53,14 +56,14 @@ def sft_train(
         state = jax.device_put(state, shardings)
     step_fns = step_fns or make_step_fns(config, mesh, shardings)
     rows_per_batch = step_fns.padded_rows(batch_size)
-    seq_len = bucket(max(len(t.token_ids) for t in trajectories))
+    lengths = [len(t.token_ids) for t in trajectories]
     rng = np.random.default_rng(seed)
     history = []
     with tqdm.tqdm(total=sft_num_updates(len(trajectories), batch_size, epochs), desc="sft", disable=not progress) as bar:
         for _ in range(epochs):
-            order = rng.permutation(len(trajectories))
-            for start in range(0, len(order), batch_size):
-                rows = [trajectories[i] for i in order[start : start + batch_size]]
+            for picked in length_grouped_batches(lengths, batch_size, rng, length_window):
+                rows = [trajectories[i] for i in picked]
+                seq_len = bucket(max(lengths[i] for i in picked))
                 batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch)  # pads with id 0, inside any vocabulary
                 if mesh is not None:
                     batch = rows_from_host(batch, batch_sharding(mesh))

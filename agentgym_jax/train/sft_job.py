@@ -129,13 +129,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, _), _ = ckpt.restore((state, {}))
             logging.info("resumed SFT at step %d", start)
 
-        seq_len = bucket(max(len(t.token_ids) for r in rows.values() for t in r))  # one shape: one compilation
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer())
         for step in range(start, config.train.steps):
-            picked = schedule[step]
-            batch = make_token_batch([rows[e][i] for e, i in picked], seq_len, step_fns.padded_rows(config.train.batch_size))
+            picked = [rows[e][i] for e, i in schedule[step]]
+            seq_len = bucket(max(len(t.token_ids) for t in picked))  # the batch's own bucket: one compilation per bucket
+            batch = make_token_batch(picked, seq_len, step_fns.padded_rows(config.train.batch_size))
             state, metrics = step_fns.sft_update(state, rows_from_host(batch, batch_sharding(mesh)))
-            counts = collections.Counter(e for e, _ in picked)
+            counts = collections.Counter(e for e, _ in schedule[step])
             logger.log(step + 1, {**jax.device_get(metrics), **{f"rows/{e}": counts[e] for e in rows}})
             ckpt.save(step + 1, (state, {}), {"step": step + 1}, force=step + 1 == config.train.steps)
         logger.close()
