@@ -7,6 +7,8 @@ module and exposes `run(config)`.
 from __future__ import annotations
 
 import importlib
+import logging as py_logging
+import pathlib
 import sys
 
 from absl import app, flags, logging
@@ -36,8 +38,21 @@ def _precheck(argv: list[str]) -> None:
     check_override_keys(load_config_file(spec), override_keys(argv))
 
 
+_OWN_CODE = tuple(str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("agentgym_jax", "environments"))
+
+
+class _QuietLibraries(py_logging.Filter):
+    """Keeps the job's own INFO lines and every library's warnings: orbax and JAX log each
+    checkpoint manager option and backend probe at INFO, dozens of lines a run."""
+
+    def filter(self, record: py_logging.LogRecord) -> bool:
+        return record.levelno >= py_logging.WARNING or record.pathname.startswith(_OWN_CODE)
+
+
 def main(argv: list[str]) -> None:
     del argv
+    if logging.get_verbosity() <= logging.INFO and not flags.FLAGS["verbosity"].present:  # -v 1 shows everything
+        logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
     if config.get("mode") not in MODES:
         raise ConfigError(f"unknown mode {config.get('mode')!r}; valid: {', '.join(sorted(MODES))}")

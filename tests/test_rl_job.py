@@ -75,6 +75,7 @@ def test_sigkilled_run_resumes_exactly(tmp_path, algo):
     straight = _run(tmp_path / "straight", algo)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "summary: env=room" in straight.stdout.strip().splitlines()[-1]
+    assert "mode=rl" in straight.stderr and "CheckpointManager" not in straight.stderr  # libraries' INFO lines filtered
 
     resumed_dir = tmp_path / "resumed"
     proc = subprocess.Popen(_command(resumed_dir, algo), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
