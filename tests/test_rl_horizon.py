@@ -51,12 +51,23 @@ def test_from_config_accepts_dicts_and_config_dicts():
     assert horizon.from_config({"schedule": "stepwise", "rounds": [1, 2, 3]}).steps_per_stage == 100
 
 
+def test_fixed_on_a_stepwise_config_is_its_final_horizon():
+    """ScalingInter-RL's baseline is one flag: `--config.horizon.schedule=fixed` keeps the config's
+    rounds and stage length and trains at the last round from the first step."""
+    from tests.test_rl_config import parse
+
+    schedule = horizon.from_config(parse("--config.horizon.schedule=fixed").horizon)
+    assert schedule == horizon.fixed(12) and [schedule.horizon(s) for s in (0, 8, 23)] == [12, 12, 12]
+    assert horizon.from_config({"schedule": "fixed", "rounds": (4, 8), "steps_per_stage": 5}) == horizon.fixed(8)
+
+
 @pytest.mark.parametrize(
     "config,message",
     [
         ({"schedule": "linear", "rounds": 3}, "unknown horizon schedule 'linear'; valid: fixed"),
         ({"rounds": 3}, "unknown horizon schedule None"),
-        ({"schedule": "fixed", "rounds": 3, "steps_per_stage": 5}, r"no \['steps_per_stage'\]"),
+        ({"schedule": "fixed", "rounds": []}, "rounds must be positive integers"),
+        ({"schedule": "fixed", "rounds": 3, "step_per_stage": 5}, r"no \['step_per_stage'\]"),
         ({"schedule": "stepwise", "round": [10]}, r"takes no \['round'\]"),
         ({"schedule": "stepwise"}, "needs 'rounds'"),
         ({"schedule": "stepwise", "rounds": []}, "rounds must be positive integers"),

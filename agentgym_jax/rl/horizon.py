@@ -47,8 +47,19 @@ class HorizonSchedule:
         return self.rounds[self.stage(step)]
 
 
-def fixed(rounds: int) -> HorizonSchedule:
-    """The same horizon at every step."""
+def fixed(rounds: int | Sequence[int], steps_per_stage: int | None = None) -> HorizonSchedule:
+    """The same horizon at every step: `rounds`, or the last of a stepwise schedule's `rounds`.
+
+    So `--config.horizon.schedule=fixed` on a stepwise config trains at its final horizon
+    throughout, ScalingInter-RL's baseline, with nothing else changed (`steps_per_stage` is
+    accepted for the same reason; one stage has no length).
+    """
+    del steps_per_stage
+    if isinstance(rounds, (list, tuple)):
+        rounds = tuple(rounds)
+        if not rounds:
+            raise ValueError("rounds must be positive integers, got ()")
+        rounds = rounds[-1]
     return HorizonSchedule(rounds=(rounds,), steps_per_stage=1)
 
 
