@@ -8,6 +8,7 @@ import pytest
 from agentgym_jax.envs.protocol import EpisodeStatus as S
 from agentgym_jax.eval import accounting as acc
 from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.stats import wilson_interval
 
 
 def rec(task, status, reward=None, sample=0, attempt=0, env="textcraft", turns=3, invalid=0):
@@ -48,14 +49,14 @@ def test_worked_example_60_success_30_failure_10_infra():
 
 def test_wilson_interval_solves_its_quadratic_and_edges():
     for k, n in ((0, 10), (3, 10), (10, 10), (1, 1), (47, 80), (999, 1000)):
-        low, high = acc.wilson_interval(k, n)
+        low, high = wilson_interval(k, n)
         ref_low, ref_high = wilson_by_quadratic(k, n)
         assert low == pytest.approx(max(ref_low, 0.0), abs=1e-12)
         assert high == pytest.approx(min(ref_high, 1.0), abs=1e-12)
         assert low <= k / n <= high
-    assert acc.wilson_interval(0, 5)[0] == 0.0 and acc.wilson_interval(5, 5)[1] == 1.0
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
     with pytest.raises(ValueError, match="successes <= n"):
-        acc.wilson_interval(3, 2)
+        wilson_interval(3, 2)
     assert acc.Rate.of(0, 0).value is None
 
 

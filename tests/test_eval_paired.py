@@ -1,11 +1,12 @@
 """Paired comparison: exact McNemar and paired bootstrap against hand-computed cases."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 
-from agentgym_jax.eval import paired
+from agentgym_jax.eval import compare, paired
 
 
 def test_mcnemar_exact_hand_computed():
@@ -50,3 +51,29 @@ def test_compare_runs_counts_and_errors():
     assert (c.mean_a, c.mean_b) == (pytest.approx(2.5 / 4), pytest.approx(1.0 / 4))
     with pytest.raises(ValueError, match=r"only in A: \[\('maze', 3\)\]"):
         paired.compare_runs(a, {k: v for k, v in b.items() if k != ("maze", 3)})
+
+
+def _rl_run(folder, before, after):
+    """An RL workdir's report.json as `rl_loop` writes it (only the fields compare reads)."""
+    folder.mkdir()
+    report = {phase: {"task_success": [[t, s] for t, s in enumerate(xs)]} for phase, xs in (("before", before), ("after", after))}
+    (folder / "report.json").write_text(json.dumps(report))
+    return folder
+
+
+def test_seeds_pair_with_their_partner_only_and_bad_folders_are_named(tmp_path):
+    # Seed 0: A wins tasks 0, 1; seed 1: A loses task 0. Pooled: 2 wins, 1 loss over 6 (seed, task) keys.
+    # Pairing across seeds (A0 with B1) would give 1 win, 0 losses instead.
+    a = [_rl_run(tmp_path / "a0", [0, 0, 0], [1, 1, 0]), _rl_run(tmp_path / "a1", [0, 0, 0], [0, 1, 1])]
+    b = [_rl_run(tmp_path / "b0", [1, 0, 0], [0, 0, 0]), _rl_run(tmp_path / "b1", [0, 0, 0], [1, 1, 1])]
+    c = compare.compare_dirs(a, b, num_bootstrap=100)
+    assert (c.num_tasks, c.wins, c.losses, c.ties) == (6, 2, 1, 3)
+    assert c.mean_difference == pytest.approx((2 - 1) / 6)
+    before = compare.compare_dirs([f"{a[0]}:before"], [f"{b[0]}:before"], num_bootstrap=100)
+    assert (before.wins, before.losses) == (0, 1)
+    with pytest.raises(ValueError, match="2 runs A against 1 runs B"):
+        compare.compare_dirs(a, b[:1])
+    with pytest.raises(ValueError, match="holds no report.json"):
+        compare.compare_dirs(tmp_path / "a0", tmp_path)
+    with pytest.raises(ValueError, match="not 'middle'"):
+        compare.compare_dirs(f"{a[0]}:middle", b[0])

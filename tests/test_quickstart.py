@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
+from agentgym_jax.eval.compare import compare_dirs
 from agentgym_jax.train.metrics import read_metrics
+from environments.room.env import RoomEnv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -43,5 +45,13 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
     assert after > before, f"held-out success {before:.3f} -> {after:.3f}"
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["success_before"] == pytest.approx(before, abs=1e-3)
+    test_ids = sorted(RoomEnv.task_info().splits["test"])[:32]
+    for phase, rate in (("before", before), ("after", after)):  # per-task outcomes, and their Wilson interval
+        outcomes = report[phase]["task_success"]
+        assert [t for t, _ in outcomes] == test_ids and sum(s for _, s in outcomes) / 32 == pytest.approx(rate, abs=1e-3)
+        low, high = report["wilson_95"][phase]
+        assert low < rate < high and high - low > 0.2  # 32 tasks: about +-0.17 around the middle
+    paired = compare_dirs(tmp_path, f"{tmp_path}:before")  # RL against its own SFT start, task by task
+    assert paired.mean_difference == pytest.approx(after - before, abs=1e-3) and paired.wins > 0
     assert [r["horizon"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [4] * 4 + [8] * 4 + [12] * 2
     assert (tmp_path / "learning_curve.png").stat().st_size > 0

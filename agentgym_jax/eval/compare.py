@@ -1,10 +1,18 @@
-"""Paired comparison of two evaluation runs on the same task ids (`eval/paired.py`).
+"""Paired comparison of two runs on the same task ids (`eval/paired.py`).
 
     python -m agentgym_jax.eval.compare --a=runs/eval_sft --b=runs/eval_rl [--out=runs/compare]
+    python -m agentgym_jax.eval.compare --a=runs/maze_s0,runs/maze_s1,runs/maze_s2 \
+        --b=runs/maze_fixed_s0,runs/maze_fixed_s1,runs/maze_fixed_s2      # 3 seeds, pooled
+    python -m agentgym_jax.eval.compare --a=runs/maze_s0 --b=runs/maze_s0:before   # RL vs its SFT start
 
-Each run folder is what `mode=eval` wrote (schedule.json, trajectories.jsonl); both are recounted
-with the accounting of docs/evaluation.md, and their per-task end-to-end success rates compared:
-exact McNemar (sign) test and a paired bootstrap. Prints a Markdown table; with `--out` also
+A run folder is one of:
+- what `mode=eval` wrote (schedule.json, trajectories.jsonl), recounted with the accounting of
+  docs/evaluation.md (end-to-end success per task);
+- an RL job's workdir (report.json): its held-out outcomes after RL, or after SFT with `:before`;
+- an AgentEvol iteration folder (`<workdir>/iter_<k>`, eval.json).
+Comma-separated lists pair position by position (seed with seed) and pool the pairs: a task of
+the i-th pair is the key (i, task), so a seed's run is only ever compared with its partner.
+Prints a Markdown table: exact McNemar (sign) test and a paired bootstrap; with `--out` also
 writes comparison.json and comparison.md.
 """
 
@@ -13,33 +21,60 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Hashable, Sequence
 
 from absl import app, flags
 
 from agentgym_jax.eval.accounting import task_success_rates
 from agentgym_jax.eval.paired import PairedComparison, compare_runs
 from agentgym_jax.eval.report import paired_markdown
-from agentgym_jax.eval.runner import load_summary
+from agentgym_jax.eval.runner import SCHEDULE_NAME, load_summary
 
-_A = flags.DEFINE_string("a", None, "first evaluation run folder", required=True)
-_B = flags.DEFINE_string("b", None, "second evaluation run folder", required=True)
+_A = flags.DEFINE_string("a", None, "run folder(s) A, comma-separated (module docstring)", required=True)
+_B = flags.DEFINE_string("b", None, "run folder(s) B, paired with A's position by position", required=True)
 _OUT = flags.DEFINE_string("out", "", "folder for comparison.json and comparison.md")
 _NUM_BOOTSTRAP = flags.DEFINE_integer("num_bootstrap", 10_000, "paired bootstrap resamples")
 _SEED = flags.DEFINE_integer("seed", 0, "bootstrap seed")
 
 
+def task_rates(run: str | pathlib.Path) -> dict[Hashable, float]:
+    """Per-task success of one run folder (module docstring for the kinds, `:before` included)."""
+    folder, _, phase = str(run).partition(":")
+    folder = pathlib.Path(folder)
+    if (folder / "report.json").exists():  # an RL job
+        if phase not in ("", "before", "after"):
+            raise ValueError(f"{run}: an RL run is read after RL or ':before' (after SFT), not {phase!r}")
+        outcomes = json.loads((folder / "report.json").read_text())[phase or "after"]["task_success"]
+    elif phase:
+        raise ValueError(f"{run}: ':{phase}' names a phase of an RL run, and {folder} has no report.json")
+    elif (folder / "eval.json").exists():  # an AgentEvol iteration
+        outcomes = json.loads((folder / "eval.json").read_text())["eval"]["task_success"]
+    elif (folder / SCHEDULE_NAME).exists():
+        return task_success_rates(load_summary(folder).episodes)
+    else:
+        raise ValueError(f"{folder} holds no report.json (RL), eval.json (AgentEvol) or {SCHEDULE_NAME} (eval)")
+    return {task: float(success) for task, success in outcomes}
+
+
 def compare_dirs(
-    a: str | pathlib.Path, b: str | pathlib.Path, num_bootstrap: int = 10_000, seed: int = 0
+    a: str | pathlib.Path | Sequence[str | pathlib.Path], b: str | pathlib.Path | Sequence[str | pathlib.Path],
+    num_bootstrap: int = 10_000, seed: int = 0,
 ) -> PairedComparison:
-    """Run A against run B, task by task (`ValueError` if their task ids differ)."""
-    rates_a = task_success_rates(load_summary(a).episodes)
-    rates_b = task_success_rates(load_summary(b).episodes)
+    """Run(s) A against run(s) B, task by task; lists pair position by position (`ValueError` if
+    their lengths or a pair's task ids differ)."""
+    runs_a, runs_b = ([a] if isinstance(a, (str, pathlib.Path)) else list(a)), ([b] if isinstance(b, (str, pathlib.Path)) else list(b))
+    if len(runs_a) != len(runs_b):
+        raise ValueError(f"{len(runs_a)} runs A against {len(runs_b)} runs B: pairs need one of each")
+    if len(runs_a) == 1:
+        return compare_runs(task_rates(runs_a[0]), task_rates(runs_b[0]), num_bootstrap, seed)
+    rates_a = {(i, k): v for i, run in enumerate(runs_a) for k, v in task_rates(run).items()}
+    rates_b = {(i, k): v for i, run in enumerate(runs_b) for k, v in task_rates(run).items()}
     return compare_runs(rates_a, rates_b, num_bootstrap, seed)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    comparison = compare_dirs(_A.value, _B.value, _NUM_BOOTSTRAP.value, _SEED.value)
+    comparison = compare_dirs(_A.value.split(","), _B.value.split(","), _NUM_BOOTSTRAP.value, _SEED.value)
     markdown = paired_markdown(comparison, name_a=_A.value, name_b=_B.value)
     print(markdown)
     if _OUT.value:

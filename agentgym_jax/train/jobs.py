@@ -73,12 +73,17 @@ def rollout_metrics(trajectories: Sequence[Trajectory], all_processes: bool = Fa
     return metrics
 
 
-def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict[str, float]:
+def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict:
     """Greedy (or configured) episodes on `task_ids`, each process its share (`params` on its
-    sampler's devices); success counts every scheduled episode of every process."""
+    sampler's devices); success counts every scheduled episode of every process.
+
+    Besides the rates, `task_success` lists `[task_id, 0 or 1]` per task, so two runs on the same
+    tasks can be compared task by task (`eval/compare.py`).
+    """
     share, _ = process_share(task_ids, "eval tasks", even=False)
     trajectories = engine.run(params, share, horizon, jax.random.PRNGKey(seed), policy_version=-1) if share else []
-    return rollout_metrics(trajectories, all_processes=True)
+    outcomes = gather_objects([[t.task_id, int(t.success)] for t in trajectories])
+    return {**rollout_metrics(trajectories, all_processes=True), "task_success": sorted(x for o in outcomes for x in o)}
 
 
 def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:

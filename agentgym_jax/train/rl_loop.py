@@ -29,6 +29,7 @@ from agentgym_jax.parallel.distributed import gather_objects, is_writer, process
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
+from agentgym_jax.stats import wilson_interval
 from agentgym_jax.train.jobs import (
     batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
     rollout_metrics, task_batch, update_config,
@@ -148,10 +149,14 @@ def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[
     print("| --- | --- | --- |")
     for key in rows:
         print(f"| {key} | {before[key]:.3f} | {after[key]:.3f} |")
+    intervals = {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
+                 for name, result in (("before", before), ("after", after))}
+    print("| success, Wilson 95% | " + " | ".join(f"[{lo:.3f}, {hi:.3f}]" for lo, hi in intervals.values()) + " |")
     _plot_learning_curve(workdir)
     minutes = (time.time() - start_time) / 60
     summary = {"success_before": before["success_rate"], "success_after": after["success_rate"], "minutes": minutes}
-    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary}, indent=2))
+    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary,
+                                                     "wilson_95": intervals, "env": info.env, "seed": config.seed}, indent=2))
     print(
         f"summary: env={info.env} heldout_tasks={len(test_ids)} success_before={before['success_rate']:.3f} "
         f"success_after={after['success_rate']:.3f} minutes={minutes:.1f}"
