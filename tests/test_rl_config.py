@@ -84,3 +84,31 @@ def test_bad_filter_values_are_config_errors():
         jobs.batch_filter(parse("--config.algo.overlong=cut"))
     with pytest.raises(ConfigError, match="overlong_penalty must be >= 0, got -1"):
         jobs.batch_filter(parse("--config.algo.overlong_penalty=-1.0"))
+
+
+RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
+              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle"))]
+
+
+@pytest.mark.parametrize("name", RL_CONFIGS)
+def test_every_rl_config_builds_its_update_filter_and_schedules(name):
+    """What an RL job reads of its config before any model is built is valid in every shipped config."""
+    from agentgym_jax.config import load_config_file
+    from agentgym_jax.rl.horizon import from_config
+    from configs import models
+
+    config = load_config_file(f"configs/{name}")
+    assert config.mode == "rl"
+    update = jobs.update_config(config, MODEL, jobs.rl_temperature(config))
+    jobs.batch_filter(config)
+    schedule = from_config(config.horizon)
+    assert schedule.horizon(config.train.steps - 1) <= config.eval.horizon  # held out at least the trained horizon
+    assert update.updates_per_step >= 1 and config.rollout.max_cache_len > config.rollout.max_response_length
+    assert not config.model.get("preset") or config.model.preset in models.PRESETS
+
+
+def test_the_cpu_recipe_names_its_environments():
+    from configs import cpu
+
+    with pytest.raises(ValueError, match="valid: maze, textcraft, babyai, wordle"):
+        cpu.get_config("room")
