@@ -2,7 +2,7 @@
 
 Same recipe as `configs/quickstart.py` (SFT on 200 oracle demonstrations, GRPO with the stepwise
 horizon), fewer RL steps and held-out tasks. Measured on seed 0 with 8 simulated devices: 32
-held-out tasks, 0.3125 -> 0.500 after 10 steps (the full quickstart: 64 tasks, 0.344 -> 0.703
+held-out tasks, 0.344 -> 0.594 after 10 steps (SFT batches grouped by length; 0.3125 -> 0.500 before) (the full quickstart: 64 tasks, 0.344 -> 0.703
 after 24 steps).
 """
 
@@ -27,6 +27,7 @@ SUMMARY = re.compile(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # ~6 min on an idle 2-core machine; 15 under load, past pytest.ini's 900 s
 def test_shortened_quickstart_improves_held_out_success(tmp_path):
     overrides = {
         "workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS,
@@ -35,7 +36,7 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
     command = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py"]
     command += [f"--config.{k}={v}" for k, v in overrides.items()]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
     assert summary, done.stdout[-2000:]
