@@ -51,7 +51,6 @@ if __name__ == "__main__":  # before JAX is imported: the simulated devices
     if "--run" not in sys.argv:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: leave any accelerator alone
 
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -71,7 +70,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from agentgym_jax.config import ConfigError, check_override_keys, load_config_file, override_keys  # noqa: E402
 from agentgym_jax.models import decoder  # noqa: E402
-from agentgym_jax.models.config import ModelConfig, RopeConfig  # noqa: E402
+from agentgym_jax.models.config import ModelConfig  # noqa: E402
 from agentgym_jax.parallel import partition  # noqa: E402
 from agentgym_jax.parallel.mesh import make_mesh  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch, bucket  # noqa: E402
@@ -122,20 +121,9 @@ class Step(NamedTuple):
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The job's model (`setup.model_config`) plus the keys a `configs/models.py` preset adds
-    (vocabulary, tied head, RoPE base), so a preset's shape needs no checkpoint or tokenizer."""
-    m = config.model
-    model = setup.model_config(config, m.get("vocab_size") or config.tokenizer.vocab_size)
-    if m.hf_dir:
-        return model
-    extra = {}
-    if "tie_word_embeddings" in m:
-        extra["tie_word_embeddings"] = m.tie_word_embeddings
-    if "rope_theta" in m:
-        extra["rope"] = RopeConfig(theta=m.rope_theta)
-    if "max_position_embeddings" in m:
-        extra["max_position_embeddings"] = m.max_position_embeddings
-    return dataclasses.replace(model, **extra)
+    """The job's model (`setup.model_config`): a preset's shape and vocabulary need no checkpoint;
+    without one, `tokenizer.vocab_size` stands for the tokenizer the job would build."""
+    return setup.model_config(config, config.tokenizer.vocab_size)
 
 
 def shape_name(config: ml_collections.ConfigDict, model: ModelConfig) -> str:

@@ -13,8 +13,11 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from agentgym_jax.config import ConfigError
+from agentgym_jax.job import setup
+from agentgym_jax.models.config import ModelConfig, RopeConfig
 from agentgym_jax.parallel.mesh import make_mesh
-from configs import quickstart
+from configs import babyai_scalinginter, models, quickstart, textcraft_grpo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A 1-layer model, 8 episodes of at most 64 tokens: every step of the RL job, compiled in seconds.
@@ -39,6 +42,43 @@ def tiny_config():
     for group, values in TINY.items():
         config[group].update(values)
     return config
+
+
+# The released checkpoints' config.json values (Qwen/Qwen2.5-*-Instruct on the Hugging Face hub),
+# written out here rather than read from configs/models.py.
+QWEN = dict(family="qwen2", rms_norm_eps=1e-6, qkv_bias=True, o_bias=False, qk_norm=False, rope=RopeConfig(theta=1e6),
+            max_position_embeddings=32768)
+RELEASED = {
+    "qwen2.5-1.5b": ModelConfig(**QWEN, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "qwen2.5-7b": ModelConfig(**QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(models.PRESETS))
+@pytest.mark.parametrize("get_config", [textcraft_grpo.get_config, babyai_scalinginter.get_config])
+def test_a_preset_is_the_job_model(scale, preset, get_config):
+    """Every field a preset names reaches the job's ModelConfig (a tokenizer of 1024 ids does not
+    shrink the vocabulary); bench/scale.py compiles the same model."""
+    config = get_config(preset)
+    assert setup.model_config(config, vocab_size=1024) == RELEASED[preset]
+    assert scale.model_config(config) == RELEASED[preset]
+
+
+def test_the_model_vocabulary_is_the_tokenizer_s_unless_the_config_names_one():
+    config = quickstart.get_config()  # names no vocabulary, tied head, RoPE base or context
+    model = setup.model_config(config, vocab_size=1031)
+    assert (model.vocab_size, model.tie_word_embeddings, model.rope, model.max_position_embeddings) == (
+        1031, False, RopeConfig(), 2048
+    )
+    with config.unlocked():
+        config.model.vocab_size = 2048  # a padded table, as released checkpoints have
+        config.model.rope_theta = 5e5
+    model = setup.model_config(config, vocab_size=1031)
+    assert (model.vocab_size, model.rope.theta) == (2048, 5e5)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=2048 is smaller than the tokenizer's 4000 ids"):
+        setup.model_config(config, vocab_size=4000)
 
 
 @pytest.mark.slow

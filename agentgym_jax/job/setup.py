@@ -36,7 +36,7 @@ from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.models import decoder, hf_checkpoint
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
-from agentgym_jax.models.config import ModelConfig, load_config
+from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
@@ -174,19 +174,34 @@ def tokenizer_and_framing(
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    """The Hugging Face folder's config, or the small model the config describes."""
+    """The Hugging Face folder's config, or the model `config.model` describes: its shape, and the
+    vocabulary, tied head, RoPE base and context length where it names them (a `configs/models.py`
+    preset does), else the tokenizer's `vocab_size` and the small model's defaults.
+
+    A config's vocabulary smaller than its tokenizer's is refused: ids past the embedding table
+    would be looked up out of range (silently clipped by XLA), not learned.
+    """
     m = config.model
     if m.hf_dir:
         return load_config(m.hf_dir)
+    named = {key: m[key] for key in ("tie_word_embeddings", "max_position_embeddings") if m.get(key) is not None}
+    if m.get("rope_theta") is not None:
+        named["rope"] = RopeConfig(theta=float(m.rope_theta))
+    if m.get("vocab_size") and m.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab_size} ids; "
+            f"set model.vocab_size >= {vocab_size} (or leave it out to take the tokenizer's)"
+        )
     return ModelConfig.small(
         m.family,
-        vocab_size=vocab_size,
+        vocab_size=m.get("vocab_size") or vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
+        **named,
     )
 
 
