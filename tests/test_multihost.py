@@ -58,7 +58,9 @@ def _env(devices: int, process: int | None = None, port: int | None = None, cach
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
-    if cache is not None:  # a persistent compilation cache: a restart loads what the killed run compiled
+    # A persistent compilation cache: a restart loads what the killed run compiled (an entry cut
+    # short by the SIGKILL is an unreadable entry, which JAX warns about and compiles again).
+    if cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     if process is not None:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(process))
