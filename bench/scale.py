@@ -51,7 +51,6 @@ if __name__ == "__main__":  # before JAX is imported: the simulated devices
     if "--run" not in sys.argv:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: leave any accelerator alone
 
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -63,18 +62,17 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from agentgym_jax.config import ConfigError, check_override_keys, load_config_file, override_keys  # noqa: E402
 from agentgym_jax.models import decoder  # noqa: E402
-from agentgym_jax.models.config import ModelConfig, RopeConfig  # noqa: E402
+from agentgym_jax.models.config import ModelConfig  # noqa: E402
 from agentgym_jax.parallel import partition  # noqa: E402
 from agentgym_jax.parallel.mesh import make_mesh  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch, bucket  # noqa: E402
+from agentgym_jax.sampling import buckets  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler, Turn  # noqa: E402
 from agentgym_jax.job import setup  # noqa: E402
@@ -122,20 +120,9 @@ class Step(NamedTuple):
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The job's model (`setup.model_config`) plus the keys a `configs/models.py` preset adds
-    (vocabulary, tied head, RoPE base), so a preset's shape needs no checkpoint or tokenizer."""
-    m = config.model
-    model = setup.model_config(config, m.get("vocab_size") or config.tokenizer.vocab_size)
-    if m.hf_dir:
-        return model
-    extra = {}
-    if "tie_word_embeddings" in m:
-        extra["tie_word_embeddings"] = m.tie_word_embeddings
-    if "rope_theta" in m:
-        extra["rope"] = RopeConfig(theta=m.rope_theta)
-    if "max_position_embeddings" in m:
-        extra["max_position_embeddings"] = m.max_position_embeddings
-    return dataclasses.replace(model, **extra)
+    """The job's model (`setup.model_config`): a preset's shape and vocabulary need no checkpoint;
+    without one, `tokenizer.vocab_size` stands for the tokenizer the job would build."""
+    return setup.model_config(config, config.tokenizer.vocab_size)
 
 
 def shape_name(config: ml_collections.ConfigDict, model: ModelConfig) -> str:
@@ -204,22 +191,63 @@ def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: j
     sampling = SamplingConfig(max_new_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
     sampler = Sampler.sharded_decoder(model, sampling, mesh, max_cache_len=r.max_cache_len, dtype=config.model.compute_dtype)
     weights = with_shardings(jax.eval_shape(sampler.sampling_params, state.params), sampler.shardings.params)
-    cache = with_shardings(
-        jax.eval_shape(functools.partial(sampler._init_cache, rows, r.max_cache_len)), sampler.shardings.cache
-    )
-    logits = sds((rows, model.vocab_size), jnp.float32)
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
-    flags, counts = sds((rows,), bool), sds((rows,), jnp.int32)
-    turn = Turn(active=flags, count=counts, limit=counts, forced=counts, seeds=sds((rows, 2), jnp.int32), stop=counts)
     opt = (state.opt_state, state.step, state.rng, state.skipped_updates)
     copied = any(w.dtype != p.dtype for w, p in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params)))
     beside_sampler = (state if copied else opt, ref_params)  # without a copy the sampler reads the state's params
+    sampling_steps = (slot_steps if r.num_slots else turn_steps)(config, model, sampler, weights, rows, chunk, beside_sampler)
     return sampler, [
-        compile_step("append", sampler._append, (weights, cache, logits, sds((rows, chunk), jnp.int32), sds((rows,), jnp.int32)), beside_sampler),
-        compile_step("decode", sampler._decode, (r.max_tokens_per_turn, False, weights, cache, logits, turn, rng), beside_sampler),
+        *sampling_steps,
         compile_step("prepare", step_fns.prepare, (state.params, ref_params, batch), opt),
         compile_step("rl_update", step_fns.rl_update, (state, rl_batch), ref_params),
     ], init_state, state_shardings
+
+
+def sampler_arrays(sampler: Sampler, model: ModelConfig, batch: int, max_len: int):
+    """Shapes of the sampler's `batch`-row state: a full-length KV cache and the next-token logits."""
+    row_sharding = sampler.shardings.batch
+    cache = with_shardings(jax.eval_shape(functools.partial(sampler._init_cache, batch, max_len)), sampler.shardings.cache)
+    return cache, jax.ShapeDtypeStruct((batch, model.vocab_size), jnp.float32, sharding=row_sharding)
+
+
+def turn_spec(sampler: Sampler, batch: int) -> Turn:
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sampler.shardings.batch)  # noqa: E731
+    counts = sds((batch,), jnp.int32)
+    return Turn(active=sds((batch,), bool), count=counts, limit=counts, forced=counts, seeds=sds((batch, 2), jnp.int32), stop=counts)
+
+
+def turn_steps(config, model, sampler, weights, rows, chunk, resident) -> list[Step]:
+    """The turn-batched engine's steps (`rollout.num_slots=0`): every episode is a sampler row;
+    an append of a `chunk`-token chunk per row into the full cache, then a turn's decode."""
+    r = config.rollout
+    cache, logits = sampler_arrays(sampler, model, rows, r.max_cache_len)
+    tokens = jax.ShapeDtypeStruct((rows, chunk), jnp.int32, sharding=sampler.shardings.batch)
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sampler.shardings.batch)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sampler.shardings.replicated)
+    return [
+        compile_step("append", sampler._append, (weights, cache, logits, tokens, lengths), resident),
+        compile_step("decode", sampler._decode, (r.max_tokens_per_turn, False, weights, cache, logits,
+                                                 turn_spec(sampler, rows), rng), resident),
+    ]
+
+
+def slot_steps(config, model, sampler, weights, rows, chunk, resident) -> list[Step]:
+    """The continuous-batching engine's steps (`rollout.num_slots` rows, whatever the episodes):
+    a fill of a `chunk`-token chunk into every row at once (observations arriving together) over
+    the full cache, then a chunk of `decode_chunk` steps of every row over the full cache: the
+    most either takes. (Copying a group's prefilled prompt moves fewer rows than a fill.)"""
+    del rows  # the episodes only decide how long the rollout takes, not what a step holds
+    r = config.rollout
+    batch = buckets.bucket(r.num_slots, sampler.batch_buckets, "number of slots")
+    cache, logits = sampler_arrays(sampler, model, batch, r.max_cache_len)
+    rep = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sampler.shardings.replicated)  # noqa: E731
+    k = min(batch, sampler.fill_buckets[-1])  # the sampler fills at most this many rows per call
+    fill = (weights, cache, logits, rep((k,), jnp.int32), rep((k,), bool), rep((k, chunk), jnp.int32), rep((k,), jnp.int32))
+    rng = rep((2,), jnp.uint32)
+    decode = (r.decode_chunk, False, batch, r.max_cache_len, weights, cache, logits, turn_spec(sampler, batch), rng)
+    return [
+        compile_step("fill", sampler._fill, (r.max_cache_len, *fill), resident),
+        compile_step("decode_slots", sampler._decode_slots, decode, resident),
+    ]
 
 
 def peak_gib(step: Step) -> dict[str, float]:
@@ -293,20 +321,21 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
     compute = update_config(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
-    _, cache, logits, tokens, lengths = by_name["append"].args
-    rows, chunk = tokens.shape
+    write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_slots)
     weights = sampler.sampling_params(state.params)
-    cache = sampler._init_cache(rows, config.rollout.max_cache_len)
+    *_, tokens, lengths = write.args
+    rows, chunk = tokens.shape
     rng = np.random.default_rng(1)
     put = lambda x, like: jax.device_put(x, like.sharding)  # noqa: E731
-    cache, logits = timed_call(
-        "append", weights, cache, put(np.zeros(logits.shape, np.float32), logits),
-        put(rng.integers(0, model.vocab_size, (rows, chunk)).astype(np.int32), tokens), put(np.full(rows, chunk, np.int32), lengths),
-    )
-    turn_spec = by_name["decode"].args[5]
+    cache = sampler._init_cache(rows, config.rollout.max_cache_len)
+    logits = jax.device_put(np.zeros((rows, model.vocab_size), np.float32), sampler.shardings.batch)
+    chunks = (rng.integers(0, model.vocab_size, (rows, chunk)).astype(np.int32), np.full(rows, chunk, np.int32))
+    if write.name == "fill":  # every row, each starting empty
+        chunks = (np.arange(rows, dtype=np.int32), np.ones(rows, bool), *chunks)
+    cache, logits = timed_call(write.name, weights, cache, logits, *map(put, chunks, write.args[-len(chunks):]))
     turn = Turn.start(np.ones(rows, bool), np.full(rows, config.rollout.max_tokens_per_turn, np.int32))
-    turn = Turn(*(put(x, like) for x, like in zip(turn, turn_spec)))
-    timed_call("decode", weights, cache, logits, turn, jax.random.PRNGKey(2))  # static (steps, forcing) compiled in
+    turn = Turn(*map(put, turn, next(a for a in decode.args if isinstance(a, Turn))))
+    timed_call(decode.name, weights, cache, logits, turn, jax.random.PRNGKey(2))  # static arguments compiled in
     del weights, cache, logits  # the rollout is over: the sampler's copy and cache go
     batch = random_batch(by_name["prepare"].args[2], model.vocab_size, config.rollout.group_size)
     rl_batch, _ = timed_call("prepare", state.params, ref_params, batch)

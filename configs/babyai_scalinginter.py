@@ -9,18 +9,17 @@ task, 8192 response tokens per episode and rounds [6, 13, 20] every 100 steps.
 
 import ml_collections
 
-from configs import textcraft_grpo
+from configs import models, textcraft_grpo
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    config = textcraft_grpo.get_config(arg)  # arg: the model preset, as in textcraft_grpo
+    config = textcraft_grpo.settings()  # arg: the model preset, as in textcraft_grpo
     config.workdir = "runs/babyai_scalinginter"
     config.env.name = "babyai"
     config.rollout.group_size = 4
     config.rollout.max_response_length = 8192
     config.rollout.max_cache_len = 512 + 8192
-    config.algo.num_microbatches = 4  # 32 rows (8 tasks x 4 samples) per mini-batch: 8 rows per micro-batch
     config.horizon.rounds = (6, 13, 20)
     config.eval.num_tasks = 120  # the whole BabyAI test split
     config.eval.horizon = 20
-    return config
+    return models.apply(config, arg or "qwen2.5-7b")  # mini-batches of 32 rows (8 tasks x 4 samples)

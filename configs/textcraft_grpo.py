@@ -20,7 +20,13 @@ from configs import models, quickstart
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    config = models.apply(quickstart.get_config(), arg or "qwen2.5-7b")
+    return models.apply(settings(), arg or "qwen2.5-7b")
+
+
+def settings() -> ml_collections.ConfigDict:
+    """AgentGym-RL's TextCraft settings without a model preset (`babyai_scalinginter` changes
+    them, then applies its preset)."""
+    config = quickstart.get_config()
     config.workdir = "runs/textcraft_grpo"
     config.env.name = "textcraft"
     config.env.num_servers = 4
@@ -45,9 +51,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.advantage = "grpo"
     config.algo.ppo_epochs = 2  # ppo_epochs (honoured here; AgentGym-RL ignores it)
     config.algo.num_minibatches = 4  # 32 tasks / ppo_mini_batch_size 8
-    # 64 rows (8 tasks x 8 samples) per mini-batch / 8 = 8 rows per micro-batch, one per device of an
-    # 8-device mesh: a micro-batch needs a multiple of the mesh's batch shards (data x fsdp) rows.
-    config.algo.num_microbatches = 8
+    # algo.num_microbatches: set by the model preset (configs/models.py) from the rows per
+    # micro-batch its devices hold: 64 rows (8 tasks x 8 samples) per mini-batch / 8 for 7B.
     config.algo.kl_coef = 0.001
     config.algo.kl_estimator = "low_var_kl"
     config.algo.kl_in_reward = False  # use_kl_loss=True

@@ -13,8 +13,11 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from agentgym_jax.config import ConfigError
+from agentgym_jax.job import setup
+from agentgym_jax.models.config import ModelConfig, RopeConfig
 from agentgym_jax.parallel.mesh import make_mesh
-from configs import quickstart
+from configs import babyai_scalinginter, models, quickstart, textcraft_grpo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A 1-layer model, 8 episodes of at most 64 tokens: every step of the RL job, compiled in seconds.
@@ -39,6 +42,58 @@ def tiny_config():
     for group, values in TINY.items():
         config[group].update(values)
     return config
+
+
+# The released checkpoints' config.json values (Qwen/Qwen2.5-*-Instruct on the Hugging Face hub),
+# written out here rather than read from configs/models.py.
+QWEN = dict(family="qwen2", rms_norm_eps=1e-6, qkv_bias=True, o_bias=False, qk_norm=False, rope=RopeConfig(theta=1e6),
+            max_position_embeddings=32768)
+RELEASED = {
+    "qwen2.5-1.5b": ModelConfig(**QWEN, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "qwen2.5-7b": ModelConfig(**QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(models.PRESETS))
+@pytest.mark.parametrize("get_config", [textcraft_grpo.get_config, babyai_scalinginter.get_config])
+def test_a_preset_is_the_job_model(scale, preset, get_config):
+    """Every field a preset names reaches the job's ModelConfig (a tokenizer of 1024 ids does not
+    shrink the vocabulary); bench/scale.py compiles the same model."""
+    config = get_config(preset)
+    assert setup.model_config(config, vocab_size=1024) == RELEASED[preset]
+    assert scale.model_config(config) == RELEASED[preset]
+
+
+def test_the_model_vocabulary_is_the_tokenizer_s_unless_the_config_names_one():
+    config = quickstart.get_config()  # names no vocabulary, tied head, RoPE base or context
+    model = setup.model_config(config, vocab_size=1031)
+    assert (model.vocab_size, model.tie_word_embeddings, model.rope, model.max_position_embeddings) == (
+        1031, False, RopeConfig(), 2048
+    )
+    with config.unlocked():
+        config.model.vocab_size = 2048  # a padded table, as released checkpoints have
+        config.model.rope_theta = 5e5
+    model = setup.model_config(config, vocab_size=1031)
+    assert (model.vocab_size, model.rope.theta) == (2048, 5e5)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=2048 is smaller than the tokenizer's 4000 ids"):
+        setup.model_config(config, vocab_size=4000)
+
+
+def test_a_preset_sets_the_engine_and_the_rows_per_micro_batch_its_devices_hold():
+    for get_config, episodes in ((textcraft_grpo.get_config, 256), (babyai_scalinginter.get_config, 128)):
+        small, large = get_config("qwen2.5-1.5b"), get_config("qwen2.5-7b")
+        assert small.rollout.batch_tasks * small.rollout.group_size == episodes  # all of them, on one device too
+        assert (small.rollout.num_slots, large.rollout.num_slots) == (16, 0)
+        for config, rows in ((small, 4), (large, 8)):
+            per_minibatch = episodes // config.algo.num_minibatches
+            assert per_minibatch // config.algo.num_microbatches == rows
+    config = quickstart.get_config()  # 8 tasks x 8 samples / 2 mini-batches = 32 rows
+    assert models.apply(config, "qwen2.5-1.5b").algo.num_microbatches == 8
+    config.rollout.batch_tasks = 3
+    with pytest.raises(ValueError, match="a mini-batch of 12 rows does not split into micro-batches of 8 rows"):
+        models.apply(config, "qwen2.5-7b")
 
 
 @pytest.mark.slow
@@ -89,3 +144,24 @@ def test_command_line_with_run_on_the_cpu():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode != 0 and "unknown config key(s): 'model.num_layer'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_with_slots_the_sampler_steps_are_compiled_at_the_slot_batch(scale):
+    """`rollout.num_slots`: the cache holds the slots' rows, not the episodes'; a fill writes a
+    chunk into every slot at once; the decode runs a chunk of `decode_chunk` steps."""
+    config = tiny_config()
+    config.rollout.batch_tasks = 4  # 32 episodes
+    config.rollout.num_slots = 12  # bucketed to 16 rows on 8 shards
+    model = scale.model_config(config)
+    _, steps, _, _ = scale.compile_steps(config, model, make_mesh(1, 8, 1), seq=64, chunk=16)
+    by_name = {s.name: s for s in steps}
+    assert list(by_name) == ["fill", "decode_slots", "prepare", "rl_update"]
+    slots, _, cache, logits, rows, fresh, tokens, lengths = by_name["fill"].args
+    assert cache.k.shape == (1, 16, 2, 64, 16) and logits.shape == (16, 128) and slots == 64
+    assert tokens.shape == (16, 16) and rows.shape == fresh.shape == lengths.shape == (16,)
+    steps_arg, _, batch, cache_len, *_ = by_name["decode_slots"].args
+    assert (steps_arg, batch, cache_len) == (config.rollout.decode_chunk, 16, 64)
+    for name in ("fill", "decode_slots"):
+        assert by_name[name].compiled.memory_analysis().argument_size_in_bytes == scale.device_bytes(by_name[name].args)
+    assert by_name["prepare"].args[2].tokens.shape == (32, 64)  # the update still trains on every episode

@@ -9,16 +9,18 @@ its loop.
 Multi-host (DESIGN rule 12): every process runs the same code. Each one owns a contiguous share
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
-samples its own episodes with a sampler on its own devices (`sampler_mesh`, params copied
-there by `distributed.to_local`); updates run on the global mesh over global arrays built from
-every process's rows. Process 0 writes metrics, reports and shared files (`distributed.is_writer`);
-trajectories go to one file per process (`process_file`); orbax checkpoints from every process.
+samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its
+compute-dtype weights are copied there once per rollout by `sampler_params`); updates run on
+the global mesh over global arrays built from every process's rows. Process 0 writes metrics,
+reports and shared files (`distributed.is_writer`); trajectories go to one file per process
+(`process_file`); orbax checkpoints from every process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
@@ -36,16 +38,16 @@ from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.models import decoder, hf_checkpoint
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
-from agentgym_jax.models.config import ModelConfig, load_config
+from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
-from agentgym_jax.parallel.mesh import make_mesh
+from agentgym_jax.parallel.mesh import local_mesh, make_mesh
 from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.rl_batch import BatchFilter, training_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.sampling.sampler import Sampler
+from agentgym_jax.sampling.sampler import Sampler, cast_floating
 
 
 @dataclasses.dataclass
@@ -79,10 +81,28 @@ def open_job(config: ml_collections.ConfigDict, *, servers: bool = True) -> Iter
 
 def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     """Where this process's sampler runs: the job's mesh on one process; on several, a mesh
-    over this process's devices (`fsdp` over all of them)."""
+    over this process's devices (`fsdp` over all of them, `parallel.mesh.local_mesh`)."""
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    return mesh if jax.process_count() == 1 else local_mesh(mesh)
+
+
+def sampler_params(config: ml_collections.ConfigDict, job: Job, params):
+    """The policy weights this process's sampler reads, made once per rollout (every process
+    calls it). One process: `params` as they are (the sampler makes its compute-dtype copy on
+    the same mesh). Several: a compute-dtype copy without the value head, cast on the global
+    shards and then moved to this process's devices in the sampler's layout (each device gets
+    its shard, `distributed.to_local`): never a float32 or whole replica per device."""
     if jax.process_count() == 1:
-        return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    return make_mesh(1, -1, 1, devices=jax.local_devices())
+        return params
+    policy = {name: p for name, p in params.items() if name != "value_head"}  # the sampler never reads the critic
+    policy = _cast(jnp.dtype(config.model.compute_dtype))(policy)
+    return distributed.to_local(policy, job.mesh, partition.param_shardings(policy, job.sampler_mesh))
+
+
+@functools.cache
+def _cast(dtype: jnp.dtype) -> Callable:
+    """A jitted `cast_floating` to `dtype` (one per dtype, so each RL step reuses its compilation)."""
+    return jax.jit(functools.partial(cast_floating, dtype))
 
 
 def checkpointer(config: ml_collections.ConfigDict, workdir: pathlib.Path, every: int | None = None,
@@ -174,19 +194,34 @@ def tokenizer_and_framing(
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    """The Hugging Face folder's config, or the small model the config describes."""
+    """The Hugging Face folder's config, or the model `config.model` describes: its shape, and the
+    vocabulary, tied head, RoPE base and context length where it names them (a `configs/models.py`
+    preset does), else the tokenizer's `vocab_size` and the small model's defaults.
+
+    A config's vocabulary smaller than its tokenizer's is refused: ids past the embedding table
+    would be looked up out of range (silently clipped by XLA), not learned.
+    """
     m = config.model
     if m.hf_dir:
         return load_config(m.hf_dir)
+    named = {key: m[key] for key in ("tie_word_embeddings", "max_position_embeddings") if m.get(key) is not None}
+    if m.get("rope_theta") is not None:
+        named["rope"] = RopeConfig(theta=float(m.rope_theta))
+    if m.get("vocab_size") and m.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab_size} ids; "
+            f"set model.vocab_size >= {vocab_size} (or leave it out to take the tokenizer's)"
+        )
     return ModelConfig.small(
         m.family,
-        vocab_size=vocab_size,
+        vocab_size=m.get("vocab_size") or vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
+        **named,
     )
 
 
@@ -255,15 +290,8 @@ def make_engine(
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
     """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
-    compute dtype. Give it params on that mesh, e.g. `distributed.to_local(params, job.mesh,
-    job.sampler_mesh)`."""
+    compute dtype. Give it params on that mesh (`sampler_params`)."""
     sampling = rollout.sampling_config(framing)
-    if jax.process_count() > 1:
-        # The sampler's host inputs are numpy, which a multi-process job cannot pass with non-trivial
-        # shardings: until the sampler places them itself, each process samples unsharded (its
-        # params replicated over its own devices).
-        return Sampler.for_decoder(model, sampling, max_cache_len=config.rollout.max_cache_len,
-                                   dtype=jnp.dtype(config.model.compute_dtype))
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
         dtype=config.model.compute_dtype,

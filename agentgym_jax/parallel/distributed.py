@@ -16,9 +16,8 @@ import os
 import urllib.request
 from collections.abc import Mapping
 
-import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,6 +25,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
+
+from agentgym_jax.parallel.mesh import process_mesh
 
 _TPU_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
 
@@ -157,25 +158,21 @@ def rows_from_host(tree: Any, sharding: NamedSharding) -> Any:
     return jax.tree.map(place, tree)
 
 
-@functools.cache
-def _replicate(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
-    """A jitted copy to fully replicated over `mesh` (one per mesh, so it compiles once per tree)."""
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+def to_local(tree: Any, mesh: jax.sharding.Mesh, shardings: Any) -> Any:
+    """A copy of global arrays on this process's devices, laid out by `shardings` (a pytree of
+    `NamedSharding`s over `local_mesh(mesh)` matching `tree`): what a process-local sampler reads.
 
-
-def to_local(tree: Any, mesh: jax.sharding.Mesh, local_mesh: jax.sharding.Mesh) -> Any:
-    """A copy of global arrays on `local_mesh` (this process's devices), replicated there.
-
-    One collective (an all-gather to replicated over `mesh`) that every process calls; on one
-    process the arrays come back unchanged. What a process-local sampler reads.
+    One reshard that every process calls with the same `shardings`: to that layout on every
+    process's devices at once (over `process_mesh(mesh)`, replicated over "processes"), so each
+    device receives its local shard only, never a whole replica. On one process: `tree` unchanged.
     """
     if jax.process_count() == 1:
         return tree
-    replicated = _replicate(mesh)(tree)
-    local = NamedSharding(local_mesh, jax.sharding.PartitionSpec())
+    stacked = process_mesh(mesh)
+    copied = jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(stacked, s.spec), shardings))
 
-    def localize(x: jax.Array) -> jax.Array:
+    def localize(x: jax.Array, sharding: NamedSharding) -> jax.Array:
         by_device = {s.device: s.data for s in x.addressable_shards}
-        return jax.make_array_from_single_device_arrays(x.shape, local, [by_device[d] for d in local_mesh.devices.flat])
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [by_device[d] for d in sharding.mesh.devices.flat])
 
-    return jax.tree.map(localize, replicated)
+    return jax.tree.map(localize, copied, shardings)

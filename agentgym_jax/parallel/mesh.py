@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 AXES = ("data", "fsdp", "tensor")
@@ -39,3 +40,21 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[
     devices = list(devices if devices is not None else jax.devices())
     shape = mesh_shape(data, fsdp, tensor, len(devices))
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def process_mesh(mesh: Mesh) -> Mesh:
+    """`mesh`'s devices as one ("data", "fsdp", "tensor") mesh per process, stacked on a leading
+    "processes" axis: process k's row is its own devices in `mesh`'s order, `fsdp` over all of
+    them. When `mesh` lists each process's devices together, in process order, both meshes order
+    the devices alike and moving an array between them is a plain reshard."""
+    devices = list(mesh.devices.flat)
+    rows = [[d for d in devices if d.process_index == k] for k in range(jax.process_count())]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"processes hold different numbers of the mesh's devices: {[len(r) for r in rows]}")
+    return Mesh(np.asarray(rows, dtype=object).reshape(len(rows), 1, -1, 1), ("processes", *AXES),
+                axis_types=(AxisType.Auto,) * 4)
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """This process's row of `process_mesh(mesh)`: its devices, `fsdp` over all of them."""
+    return Mesh(process_mesh(mesh).devices[jax.process_index()], AXES, axis_types=(AxisType.Auto,) * 3)

@@ -350,9 +350,29 @@ def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any
     place = lambda role: jax.tree.map(
         lambda r: shardings.replicated if r == "replicated" else getattr(shardings, r), role
     )
-    return jax.jit(
-        fn, in_shardings=tuple(place(r) for r in ins if r != "static"), out_shardings=place(outs), **kw
-    )
+    in_shardings = tuple(place(r) for r in ins if r != "static")
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=place(outs), **kw)
+    return jitted if jax.process_count() == 1 else _HostInputsPlaced(jitted, ins, in_shardings)
+
+
+class _HostInputsPlaced:
+    """A jitted function that first puts its host (numpy) arguments in their shardings: with
+    several processes, jit refuses numpy inputs with non-replicated in_shardings, even over this
+    process's own devices (each process's sampler runs on its local mesh)."""
+
+    def __init__(self, jitted: Callable, ins: tuple, in_shardings: tuple):
+        self.jitted, self.ins, self.in_shardings = jitted, ins, in_shardings
+
+    def __call__(self, *args):
+        shardings = iter(self.in_shardings)
+        put = lambda s, arg: jax.tree.map(lambda x: jax.device_put(x, s) if isinstance(x, np.ndarray) else x, arg)  # noqa: E731
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+        placed = [a if role == "static" else jax.tree.map(put, next(shardings), a, is_leaf=is_sharding)
+                  for role, a in zip(self.ins, args)]
+        return self.jitted(*placed)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,8 +519,11 @@ class Sampler:
             donate_argnums=(5, 6),
         )
         rows = "replicated"  # a few row indices and their chunks: not split over the batch axes
+        fill = functools.partial(fill_rows, step_fn)
+        if loop_params_fn is not None:  # per-layer params, like the append
+            fill = lambda slots, params, *rest: fill_rows(step_fn, slots, loop_params_fn(params), *rest)  # noqa: E731
         self._fill = jit(
-            functools.partial(fill_rows, step_fn),
+            fill,
             ("static", "params", "cache", "batch", rows, rows, rows, rows),
             ("cache", "batch"),
             static_argnums=0,

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import is_writer, process_share, to_local
+from agentgym_jax.parallel.distributed import is_writer, process_share
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
 from agentgym_jax.train.jobs import (
@@ -105,7 +105,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             config, model, framing, job.urls, info,
             setup.rollout_config(config, temperature=evol.temperature, group_size=evol.group_size),
         ))
-        sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
+        sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
 
         start = 0 if ckpt.latest_step is None else ckpt.latest_step + 1
         if start:

@@ -25,7 +25,7 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share, to_local
+from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
@@ -67,7 +67,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
         train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, setup.rollout_config(config)))
-        sampler_params = lambda p: to_local(p, mesh, job.sampler_mesh)  # noqa: E731  (this process's devices)
+        sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
 
         if resuming:
             (state, ref_params, *critic), meta = ckpt.restore(

@@ -34,7 +34,7 @@ from absl import logging
 
 from agentgym_jax.config import ConfigError
 from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import is_writer, rows_from_host, to_local
+from agentgym_jax.parallel.distributed import is_writer, rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.batch import bucket, make_token_batch
@@ -147,7 +147,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 setup.rollout_config(config, temperature=config.eval.temperature, group_size=1),
             ))
             test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
-            result = evaluate(engine, to_local(state.params, mesh, job.sampler_mesh), test_ids, config.eval.horizon, config.seed)
+            result = evaluate(engine, setup.sampler_params(config, job, state.params), test_ids, config.eval.horizon, config.seed)
             if is_writer():
                 (workdir / "eval.json").write_text(json.dumps(result, indent=2))
                 print(f"summary: env={job.info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
