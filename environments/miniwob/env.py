@@ -94,6 +94,7 @@ class MiniWoBEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     success_threshold: ClassVar[float] = 1.0
     blocking: ClassVar[bool] = True  # every call waits on the browser
+    max_sessions: ClassVar[int] = 8  # one Chromium each (~400 MB, 0.5-2 s of CPU to start); EnvPool waits for a free one
     # The shared suite's sweep: each session starts a browser (0.5-2 s of CPU, ~400 MB), so few
     # at a time; tests/test_miniwob.py covers every oracle task.
     oracle_sweep_episodes: ClassVar[int] = 16

@@ -1,0 +1,31 @@
+r"""The CPU quickstart's recipe on `search` (multi-turn BM25 retrieval), with turns long enough for queries.
+
+    python -m agentgym_jax.launch --config=configs/search_cpu.py
+
+Everything not set here is configs/quickstart.py's. The oracle's actions (`<search>...</search>`
+or `<answer>...</answer>`) run 20-67 characters, which 16 tokens per turn cut; each search
+returns ~400 (up to ~1,300) characters of documents, and a question takes the oracle 2-4 turns
+(1-3 searches and the answer). The changes below fit that, and keep the run near 15 minutes on
+2 CPU cores.
+"""
+
+import ml_collections
+
+from configs import quickstart
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    config = quickstart.get_config(arg)
+    config.workdir = "runs/search_cpu"
+    config.env.name = "search"
+    config.rollout.max_tokens_per_turn = 64  # `Action: <search>query</search>`: at most ~75 characters
+    # 4 turns of up to 64 policy tokens and 3 observations of up to ~400 tokens each.
+    config.rollout.max_response_length = 2048
+    config.rollout.max_cache_len = 2560  # the ~150-token instruction and question on top
+    # The oracle needs at most 4 turns; up to 8 leaves room for searches that miss without
+    # paying for the quickstart's 12-turn episodes (the environment stops at 10).
+    config.horizon.rounds = (4, 6, 8)
+    config.horizon.steps_per_stage = 6
+    config.train.steps = 16  # 6 + 6 + 4 steps over the three horizons: ~15 minutes on 2 cores
+    config.eval.horizon = 8  # the last training horizon
+    return config
