@@ -1,7 +1,7 @@
 """`EnvPool`: many episodes over one or many environment servers, for a batched rollout engine.
 
-A *slot* is one place in the rollout batch; it holds one server session and plays one episode
-at a time. Slots are spread over the server URLs (`slot % len(urls)`). Calls never raise for
+A *slot* is one place in the rollout batch; it plays one episode at a time, on a server session
+it holds while the episode runs. Slots are spread over the server URLs (`slot % len(urls)`). Calls never raise for
 environment failures: every result carries the episode's end status when the episode ended
 (DESIGN rule 5), so one dead server ends its own episodes with `infra_error` and the rest go on.
 
