@@ -34,6 +34,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.urls = ""  # "maze=http://host:port,room=http://..."; empty: local servers
     config.env.num_servers = 1  # local servers per environment
     config.env.max_concurrency = 64
+    config.env.max_sessions = 0  # live sessions (episodes) per server a pool holds at once; 0: the server's own cap (/health)
     config.env.request_timeout_s = 30.0
     config.env.episode_timeout_s = 600.0
     config.env.auth_token = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too

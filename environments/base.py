@@ -48,6 +48,8 @@ class Environment(abc.ABC):
     has_oracle: ClassVar[bool] = True
     route_prefixes: ClassVar[tuple[str, ...]] = ()  # AgentGym's path prefixes, e.g. ("/maze",)
     blocking: ClassVar[bool] = False  # True: the server runs this env's calls in a thread pool
+    # The server's session cap when `--max_sessions` is not given (each session one live episode).
+    max_sessions: ClassVar[int] = 1024
     # Names of extra zero-argument methods served as `GET /<name>?id=` (AgentGym extras such as
     # Wordle's `filtered_vocab`); the method's JSON-able return value is the whole answer.
     extra_queries: ClassVar[tuple[str, ...]] = ()

@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--auth_token", default=None, help="require `Authorization: Bearer <token>` (all but /health)")
-    parser.add_argument("--max_sessions", type=int, default=1024, help="past it /create answers 503")
+    parser.add_argument("--max_sessions", type=int, default=None,
+                        help="past it /create answers 503 (default: the environment's own, 1024; miniwob 8)")
     parser.add_argument("--idle_timeout_s", type=float, default=900.0, help="sessions idle this long are closed")
     parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     parser.add_argument("--threads", type=int, default=None, help="thread pool size for blocking environments")
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace, env_cls: type[Environment]) -> None:
     app = make_app(
         env_cls,
-        max_sessions=args.max_sessions,
+        max_sessions=env_cls.max_sessions if args.max_sessions is None else args.max_sessions,
         idle_timeout_s=args.idle_timeout_s,
         auth_token=args.auth_token,
         max_body_bytes=args.max_body_bytes,

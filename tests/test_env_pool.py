@@ -24,22 +24,35 @@ S = EpisodeStatus
 
 
 class CountingClient(EnvClient):
-    """A real client that also counts requests per path and the most it had in flight."""
+    """A real client that also counts requests per path, the most it had in flight, and the
+    sessions it holds open (created and not yet closed), now and at most."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls: collections.Counter[str] = collections.Counter()
+        self.statuses: collections.Counter[int] = collections.Counter()  # HTTP errors by status
         self.in_flight = 0
         self.max_in_flight = 0
+        self.open_sessions = 0
+        self.max_open_sessions = 0
 
     async def request(self, method, path, **kwargs):
         self.calls[path] += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if path == "/close":
+            self.open_sessions -= 1  # sent: gone from the server whether or not the answer arrives
         try:
-            return await super().request(method, path, **kwargs)
+            answer = await super().request(method, path, **kwargs)
+        except EnvServerError as e:
+            self.statuses[e.status] += 1
+            raise
         finally:
             self.in_flight -= 1
+        if path == "/create":
+            self.open_sessions += 1
+            self.max_open_sessions = max(self.max_open_sessions, self.open_sessions)
+        return answer
 
 
 def counting_pool(urls, **kwargs) -> tuple[EnvPool, list[CountingClient]]:
@@ -183,15 +196,85 @@ def test_4xx_is_not_retried_and_503_is(maze):
 
     with LocalServers(["maze"], max_sessions=1) as full:
         async def crowd():
-            pool, clients = counting_pool(full.urls["maze"], max_retries=2, backoff_s=0.01)
-            async with pool:
-                ok, refused = await pool.reset(0, 0), await pool.reset(1, 0)
-                return ok, refused, clients[0].calls["/create"]
+            async with aiohttp.ClientSession() as http:
+                other = await EnvClient(full.urls["maze"], http).create()  # another client fills the server
+                pool, clients = counting_pool(full.urls["maze"], max_retries=2, backoff_s=0.01)
+                async with pool:
+                    refused = await pool.reset(0, 0)
+                    return other, refused, clients[0].calls["/create"]
 
-        ok, refused, creates = asyncio.run(asyncio.wait_for(crowd(), 10))
-    assert ok.status is None
+        other, refused, creates = asyncio.run(asyncio.wait_for(crowd(), 10))
+    assert other == 0
     assert refused.status is S.INFRA_ERROR and "503" in refused.error
-    assert creates == 1 + 3  # the 503 was tried max_retries more times
+    assert creates == 1 + 2  # the 503 was tried max_retries more times
+
+
+async def poll_sessions(url: str, seen: list[int], stop: asyncio.Event) -> None:
+    """Records the server's live-session count (its /health) every few milliseconds until `stop`,
+    and once after it."""
+    async with aiohttp.ClientSession() as http:
+        client = EnvClient(url, http)
+        while True:
+            stopped = stop.is_set()
+            seen.append((await client.health())["sessions"])
+            if stopped:
+                return
+            await asyncio.sleep(0.002)
+
+
+async def oracle_episodes_watched(url: str, task_ids: list[int], **pool_kwargs):
+    """Plays `task_ids` with the oracle at once (`run_episode` each) while polling the server."""
+    seen: list[int] = []
+    stop = asyncio.Event()
+    poller = asyncio.create_task(poll_sessions(url, seen, stop))
+    pool, clients = counting_pool(url, **pool_kwargs)
+    try:
+        async with pool:
+            episodes = await asyncio.gather(*(pool.run_episode(t, pool.oracle_policy) for t in task_ids))
+    finally:
+        stop.set()
+        await poller
+    return episodes, clients[0], seen
+
+
+def test_live_sessions_stay_within_max_sessions_and_every_episode_finishes(maze):
+    """24 oracle episodes started at once through a pool bounded to 3 live sessions: each waits
+    for a session another one gave back; the server never holds more than 3 of them."""
+    url = maze.urls["maze"]
+    task_ids = list(range(24))
+    episodes, client, seen = asyncio.run(asyncio.wait_for(
+        oracle_episodes_watched(url, task_ids, max_sessions=3, max_concurrency=32), 60))
+    assert [e.data_idx for e in episodes] == task_ids
+    assert {e.status for e in episodes} == {S.SUCCESS}
+    assert client.max_open_sessions == 3 and client.open_sessions == 0  # all 3 used, all closed at the end
+    assert client.calls["/create"] == 3 and client.calls["/reset"] == 24  # given back and reset, not reopened
+    assert seen and max(seen) <= 3 and seen[-1] == 0
+
+
+def test_pool_waits_for_the_servers_own_cap_instead_of_failing():
+    """An unbounded pool (max_sessions=0) over a server capped at 2 sessions reads the cap from
+    /health and never asks past it; a second pool, which finds the server full because another
+    pool holds a session there, learns the cap from the server's 503 and waits for its own."""
+    with LocalServers(["maze"], max_sessions=2) as capped:
+        url = capped.urls["maze"]
+        episodes, client, seen = asyncio.run(asyncio.wait_for(oracle_episodes_watched(url, list(range(10))), 60))
+        assert {e.status for e in episodes} == {S.SUCCESS}
+        assert client.calls["/create"] == 2 and not client.statuses and max(seen) <= 2
+
+        async def beside_another_pool():
+            async with EnvPool(url) as holder:
+                assert (await holder.reset(0, 0)).status is None  # holds one of the two
+                return await oracle_episodes_watched(url, list(range(6)), backoff_s=0.01)
+
+        episodes, client, seen = asyncio.run(asyncio.wait_for(beside_another_pool(), 60))
+    assert {e.status for e in episodes} == {S.SUCCESS}
+    assert client.statuses[503] == 1 and client.max_open_sessions == 1  # refused once, then waited
+    assert max(seen) <= 2
+
+
+def test_max_sessions_is_checked():
+    with pytest.raises(ValueError, match="max_sessions must be >= 0.*got -1"):
+        EnvPool("http://127.0.0.1:1", max_sessions=-1)
 
 
 def test_misuse_is_a_clear_error(maze):

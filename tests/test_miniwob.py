@@ -19,6 +19,7 @@ from environments.miniwob.browser import chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
 from environments.miniwob.tasks import task_id
 from tests.servers import request_json, start_server
+from tests.test_env_pool import oracle_episodes_watched
 from tests.test_environments import _run_oracle
 
 
@@ -251,6 +252,19 @@ def test_session_cap_and_idle_reaping_close_browsers():
         while (request_json(url, "GET", "/health")[1]["sessions"] or _drivers(server)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert request_json(url, "GET", "/health")[1]["sessions"] == 0 and not _drivers(server)
+
+
+def test_env_pool_bounds_live_sessions_and_so_browsers():
+    """Without --max_sessions the server caps sessions at `MiniWoBEnv.max_sessions` (8); an EnvPool
+    bounded to 2 plays 6 oracle episodes started at once with at most 2 sessions open, so the
+    server starts 2 browsers in all (the idle-browser pool reuses them), and every episode succeeds."""
+    ids = [task_id(name, 5) for name in sorted(oracle.SOLVERS)[:6]]
+    with start_server("miniwob") as url:
+        assert request_json(url, "GET", "/health")[1]["max_sessions"] == MiniWoBEnv.max_sessions == 8
+        episodes, client, seen = asyncio.run(oracle_episodes_watched(url, ids, max_sessions=2))
+        drivers = _drivers(_server_pid(url))
+    assert [e.status.value for e in episodes] == ["success"] * 6, [(e.data_idx, e.error) for e in episodes]
+    assert client.calls["/create"] == 2 and max(seen) <= 2 and len(drivers) == 2
 
 
 def test_closed_sessions_leave_warm_browsers_for_the_next():

@@ -35,6 +35,7 @@ from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerWork, StopReason, TurnOutput
 from environments.maze import env as maze
 from tests.servers import start_server
+from tests.test_env_pool import counting_pool
 
 S = EpisodeStatus
 MAX_NEW = 8  # per-turn token limit of the shared sampler
@@ -241,6 +242,27 @@ def test_slot_engine_reproduces_the_turn_batched_engine(framing, model, sampler,
     slot_stats, turn_stats = runs["slots_stats"], runs["turns_stats"]
     assert slot_stats.prompt_tokens == turn_stats.prompt_tokens
     assert 0 < slot_stats.decode_live_steps == turn_stats.decode_live_steps
+
+
+def test_a_bounded_pool_plays_in_waves_with_the_same_trajectories(framing, model, sampler, maze_url, task_info):
+    """A pool that holds at most 3 live sessions plays 2 tasks x 2 episodes in waves (3, then 1:
+    every episode of a wave is reset before any is stepped) and gives token for token the
+    trajectories of an unbounded pool under the same key; it never holds more than 3 sessions,
+    and a run closes its sessions at its end."""
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
+    runs, clients = {}, {}
+    for bound in (0, 3):
+        pool, clients[bound] = counting_pool(maze_url, max_sessions=bound)
+        with RolloutEngine(sampler, framing, pool, task_info, config) as engine:
+            runs[bound] = engine.run(model[1], [2, 5], 4, jax.random.key(3), policy_version=0)
+            assert clients[bound][0].open_sessions == 0  # closed by the run, not only by the pool's close
+    assert clients[0][0].max_open_sessions == 4 and clients[3][0].max_open_sessions == 3
+    assert clients[3][0].calls["/create"] == 3 and clients[3][0].calls["/reset"] == 4  # wave 2 reuses wave 1's
+    for a, b in zip(runs[0], runs[3], strict=True):
+        assert (a.task_id, a.group_id, a.sample_idx, a.status) == (b.task_id, b.group_id, b.sample_idx, b.status)
+        assert a.token_ids == b.token_ids and a.turn_spans == b.turn_spans and a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.turn_rewards == b.turn_rewards
 
 
 def test_token_budget(framing, model, sampler, maze_url, task_info):

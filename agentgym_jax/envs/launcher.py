@@ -72,7 +72,7 @@ class LocalServers:
         *,
         host: str = "127.0.0.1",
         base_port: int = 0,
-        max_sessions: int = 1024,
+        max_sessions: int | None = None,  # None: each environment's own default (`Environment.max_sessions`)
         idle_timeout_s: float = 900.0,
         auth_token: str = "",
         startup_timeout_s: float = 120.0,
@@ -138,8 +138,10 @@ class LocalServers:
     def _spawn(self, env: str, port: int) -> ServerProcess:
         cmd = [
             sys.executable, "-m", "environments.serve", f"--env={env}", f"--host={self.host}",
-            f"--port={port}", f"--max_sessions={self.max_sessions}", f"--idle_timeout_s={self.idle_timeout_s}",
+            f"--port={port}", f"--idle_timeout_s={self.idle_timeout_s}",
         ]
+        if self.max_sessions is not None:
+            cmd.append(f"--max_sessions={self.max_sessions}")
         if self.auth_token:
             cmd.append(f"--auth_token={self.auth_token}")
         env_vars = dict(os.environ)
@@ -214,7 +216,7 @@ def run(config: ml_collections.ConfigDict) -> None:
         # non-interactive shell's background job), where Python installs no handler of its own.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     servers = LocalServers(
-        envs, host=config.host, base_port=config.base_port, max_sessions=config.max_sessions,
+        envs, host=config.host, base_port=config.base_port, max_sessions=config.max_sessions or None,
         idle_timeout_s=config.session_idle_timeout_s, auth_token=config.auth_token,
     )
     with servers:

@@ -1,7 +1,7 @@
 """`EnvPool`: many episodes over one or many environment servers, for a batched rollout engine.
 
-A *slot* is one place in the rollout batch; it holds one server session and plays one episode
-at a time. Slots are spread over the server URLs (`slot % len(urls)`). Calls never raise for
+A *slot* is one place in the rollout batch; it plays one episode at a time, on a server session
+it holds while the episode runs. Slots are spread over the server URLs (`slot % len(urls)`). Calls never raise for
 environment failures: every result carries the episode's end status when the episode ended
 (DESIGN rule 5), so one dead server ends its own episodes with `infra_error` and the rest go on.
 
@@ -9,6 +9,15 @@ environment failures: every result carries the episode's end status when the epi
   backoff, or answered with an HTTP error (4xx are never retried).
 - `env_timeout`: the server was reachable but slow: a step got no answer within the request
   time-out, or the episode used up `episode_timeout_s` of time waiting on the environment.
+
+Live sessions are bounded per server: at most `max_sessions` (0: no bound of the pool's own) and
+never more than the server's own cap (`max_sessions` of its `/health`, asked once; a server
+that refuses a `/create` at its cap while this pool holds sessions there lowers the bound to
+those). A reset that needs a session past the bound waits, without using up its episode's time,
+until another episode of this pool gives one back: an episode the environment ended returns its
+session for the next reset of any slot, `close_sessions` closes them. A caller that resets more
+slots at once than `session_capacity()` and only steps them once all resets answered waits
+forever, so the rollout engine plays its episodes in waves of at most that many.
 
     async with EnvPool(urls) as pool:
         firsts = await pool.reset_many([(slot, data_idx), ...])
@@ -89,14 +98,34 @@ class Episode:
         return sum(t.reward for t in self.turns)
 
 
+@dataclasses.dataclass(eq=False)
+class _Server:
+    """This pool's sessions on one server: how many are open, which are free, the bound."""
+
+    client: EnvClient
+    limit: float  # most sessions open at once: the pool's bound, lowered to the server's cap
+    cap_asked: bool = False  # its /health was read (or it has none)
+    open: int = 0  # sessions open there: held by slots, idle, or being created
+    idle: list[SessionId] = dataclasses.field(default_factory=list)  # open, no episode: any slot's next
+    changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
+    health_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def has_room(self) -> bool:
+        return bool(self.idle) or self.open < self.limit
+
+
 @dataclasses.dataclass
 class _Slot:
-    client: EnvClient
+    server: _Server
     session_id: SessionId | None = None
     data_idx: int | None = None
     env_time_s: float = 0.0  # time this episode has spent waiting on the environment
     status: EpisodeStatus | None = None  # set once the episode has ended
     busy: bool = False
+
+
+class _ServerFull(Exception):
+    """A /create refused at the server's cap (503) while this pool holds other sessions there."""
 
 
 class _EpisodeEnded(Exception):
@@ -117,6 +146,7 @@ class EnvPool:
         urls: str | Sequence[str],
         *,
         max_concurrency: int = 64,
+        max_sessions: int = 0,
         request_timeout_s: float = 30.0,
         episode_timeout_s: float = 600.0,
         max_retries: int = 6,
@@ -130,6 +160,8 @@ class EnvPool:
             raise ValueError("EnvPool needs at least one server URL")
         if max_concurrency < 1 or max_retries < 0 or request_timeout_s <= 0 or episode_timeout_s <= 0:
             raise ValueError("max_concurrency >= 1, max_retries >= 0 and positive time-outs required")
+        if max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0 (0: the servers' own caps), got {max_sessions}")
         self.urls = urls
         self.episode_timeout_s = episode_timeout_s
         self.max_retries = max_retries
@@ -139,8 +171,9 @@ class EnvPool:
         self._auth_token = auth_token
         self._client_factory = client_factory
         self._max_concurrency = max_concurrency
+        self._max_sessions = max_sessions
         self._http: aiohttp.ClientSession | None = None
-        self._clients: list[EnvClient] = []
+        self._servers: list[_Server] = []
         self._semaphore: asyncio.Semaphore | None = None
         self._slots: dict[int, _Slot] = {}
         self._scratch_slots = itertools.count(-1, -1)  # run_episode's own slots, apart from the batch
@@ -149,8 +182,11 @@ class EnvPool:
         connector = aiohttp.TCPConnector(limit=self._max_concurrency, limit_per_host=0)
         self._http = aiohttp.ClientSession(connector=connector)
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
-        self._clients = [
-            self._client_factory(url, self._http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token)
+        self._servers = [
+            _Server(
+                self._client_factory(url, self._http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token),
+                limit=self._max_sessions or float("inf"),
+            )
             for url in self.urls
         ]
         return self
@@ -162,8 +198,7 @@ class EnvPool:
         """Closes every open session (best effort, briefly) and the HTTP connection pool."""
         if self._http is None:
             return
-        open_slots = [s for s in self._slots if self._slots[s].session_id is not None]
-        await asyncio.gather(*(self._close_session(s) for s in open_slots))
+        await self.close_sessions()
         await self._http.close()
         self._http = None
 
@@ -184,11 +219,12 @@ class EnvPool:
                 except _EpisodeEnded as e:
                     if not _session_unusable(e.cause):
                         raise
+                    await self._forget_session(state)
                     await self._open_session(slot, state)  # reaped, or its server died: start over once
                     observation = await self._call(state, reset, idempotent=True)
             return SlotResult(slot, observation)
         except _EpisodeEnded as e:
-            return self._end(slot, state, e, drop_session=True)
+            return await self._end(slot, state, e, release=True)
         finally:
             state.busy = False
 
@@ -198,13 +234,14 @@ class EnvPool:
         try:
             result = await self._call(state, lambda c: c.step(state.session_id, action), idempotent=False)
         except _EpisodeEnded as e:
-            return self._end(slot, state, e, drop_session=e.status is EpisodeStatus.INFRA_ERROR)
+            return await self._end(slot, state, e, release=False)
         finally:
             state.busy = False
         status = None
         if result.done:
             status = EpisodeStatus.SUCCESS if result.info.get("success") else EpisodeStatus.FAILURE
             state.status = status
+            await self._release_session(state)  # a waiting reset (any slot) may take it
         return SlotResult(slot, result.observation, result.reward, result.done, result.info, status)
 
     async def oracle_action(self, slot: int) -> str:
@@ -253,21 +290,43 @@ class EnvPool:
                 try:
                     action = await policy(slot, last.observation)
                 except EnvError as e:  # e.g. the oracle's server went away
-                    last = self._end(slot, self._slots[slot], _EpisodeEnded(EpisodeStatus.INFRA_ERROR, e), True)
+                    last = await self._end(slot, self._slots[slot], _EpisodeEnded(EpisodeStatus.INFRA_ERROR, e), release=True)
                     break
                 last = await self.step(slot, action)
                 turns.append(Turn(action, last.observation, last.reward))
             status = last.status or EpisodeStatus.MAX_TURNS
             return Episode(data_idx, first.observation, tuple(turns), status, last.info, last.error)
         finally:
-            if self._slots[slot].session_id is not None:
-                await self._close_session(slot)
-            del self._slots[slot]
+            state = self._slots.pop(slot, None)
+            if state is not None and state.session_id is not None:
+                if state.status is EpisodeStatus.ENV_TIMEOUT:  # it may still be busy: not for another episode
+                    await self._close_session(state.server, state.session_id)
+                else:
+                    await self._release_session(state)
 
     async def tasks(self) -> TaskInfo:
         """The environment's task splits (asked of the first server)."""
         self._check_open()
-        return await self._clients[0].tasks()
+        return await self._servers[0].client.tasks()
+
+    async def session_capacity(self) -> int:
+        """The most sessions this pool holds open at once over all its servers (their caps asked)."""
+        self._check_open()
+        limits = [await self._server_limit(server) for server in self._servers]
+        return int(min(sum(limits), 2**31 - 1))
+
+    async def close_sessions(self) -> None:
+        """Closes every session of the pool (best effort, briefly): the slots' next resets open new
+        ones, and other clients of the servers (another pool) get the room."""
+        self._check_open()
+        closing = [(server, sid) for server in self._servers for sid in server.idle]
+        for server in self._servers:
+            server.idle = []
+        for state in self._slots.values():
+            if state.session_id is not None:
+                closing.append((state.server, state.session_id))
+                state.session_id = None
+        await asyncio.gather(*(self._close_session(server, sid) for server, sid in closing))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -281,7 +340,7 @@ class EnvPool:
         if state is None:
             if not resetting:
                 raise ValueError(f"slot {slot} has no episode: reset it before stepping")
-            state = self._slots[slot] = _Slot(self._clients[slot % len(self._clients)])
+            state = self._slots[slot] = _Slot(self._servers[slot % len(self._servers)])
         if state.busy:
             raise ValueError(f"slot {slot} already has a request in flight")
         if not resetting and state.status is not None:
@@ -290,13 +349,13 @@ class EnvPool:
         return state
 
     async def _open_session(self, slot: int, state: _Slot) -> None:
-        """Creates a session on the slot's server, failing over to the next URLs if it is down."""
-        start = self._clients.index(state.client)
+        """Gives the slot a session on its server, failing over to the next URLs if it is down."""
+        start = self._servers.index(state.server)
         error: _EpisodeEnded | None = None
-        for k in range(len(self._clients)):
-            state.client = self._clients[(start + k) % len(self._clients)]
+        for k in range(len(self._servers)):
+            state.server = self._servers[(start + k) % len(self._servers)]
             try:
-                state.session_id = await self._call(state, lambda c: c.create(), idempotent=True)
+                state.session_id = await self._session_on(state)
                 return
             except _EpisodeEnded as e:
                 error = e
@@ -305,9 +364,77 @@ class EnvPool:
         assert error is not None
         raise error
 
+    async def _session_on(self, state: _Slot) -> SessionId:
+        """An idle session of the slot's server, else a new one within its bound (waiting for a
+        session to be given back while the bound is reached)."""
+        server = state.server
+        await self._server_limit(server)
+        while True:
+            async with server.changed:
+                await server.changed.wait_for(server.has_room)
+                if server.idle:
+                    return server.idle.pop()
+                server.open += 1
+            try:
+                return await self._call(state, lambda c: self._create(c, server), idempotent=True)
+            except _ServerFull:
+                async with server.changed:  # its cap is what this pool holds there: wait for one of those
+                    server.open -= 1
+                    server.limit = max(1, min(server.limit, server.open))
+                log.info("%s refused a session at its cap; this pool now holds at most %d there",
+                         server.client.url, server.limit)
+            except BaseException:
+                await self._count_closed(server)
+                raise
+
+    async def _create(self, client: EnvClient, server: _Server) -> SessionId:
+        try:
+            return await client.create()
+        except EnvServerError as e:
+            if e.status == 503 and server.open > 1:  # this pool's other sessions fill it
+                raise _ServerFull(str(e)) from e
+            raise
+
+    async def _server_limit(self, server: _Server) -> float:
+        """The server's bound for this pool: `max_sessions`, at most the cap its /health reports."""
+        async with server.health_lock:
+            if not server.cap_asked:
+                try:
+                    health = await asyncio.wait_for(server.client.health(), self._request_timeout_s)
+                    server.cap_asked = True
+                    cap = health.get("max_sessions") if isinstance(health, dict) else None
+                    if isinstance(cap, int) and cap >= 1:
+                        server.limit = min(server.limit, cap)
+                except EnvServerError:
+                    server.cap_asked = True  # a server without /health: its /create answers tell
+                except (EnvError, asyncio.TimeoutError):
+                    pass  # down for now: the requests' own retries and errors tell, ask again later
+        return server.limit
+
+    async def _count_closed(self, server: _Server) -> None:
+        async with server.changed:
+            server.open -= 1
+            server.changed.notify_all()
+
+    async def _release_session(self, state: _Slot) -> None:
+        """The slot's episode is over: its session waits, open, for the next reset of any slot."""
+        if state.session_id is None:
+            return
+        server, session_id, state.session_id = state.server, state.session_id, None
+        async with server.changed:
+            server.idle.append(session_id)
+            server.changed.notify_all()
+
+    async def _forget_session(self, state: _Slot) -> None:
+        """The slot's session is gone (reaped, or its server unreachable): it no longer counts."""
+        if state.session_id is not None:
+            state.session_id = None
+            await self._count_closed(state.server)
+
     async def _call(self, state: _Slot, request: Callable[[EnvClient], Awaitable[Any]], *, idempotent: bool) -> Any:
         """One request with retries; raises `_EpisodeEnded` with the status when it gives up."""
         last_error: EnvError | None = None
+        client = state.server.client
         for attempt in range(self.max_retries + 1):
             remaining = self.episode_timeout_s - state.env_time_s
             if remaining <= 0:
@@ -315,9 +442,9 @@ class EnvPool:
             async with self._semaphore:
                 start = time.monotonic()
                 try:
-                    return await asyncio.wait_for(request(state.client), remaining)
+                    return await asyncio.wait_for(request(client), remaining)
                 except asyncio.TimeoutError:
-                    last_error = EnvRequestTimeout(f"{state.client.url}: episode time-out of {self.episode_timeout_s} s")
+                    last_error = EnvRequestTimeout(f"{client.url}: episode time-out of {self.episode_timeout_s} s")
                     break
                 except EnvRequestTimeout as e:
                     last_error = e
@@ -340,21 +467,25 @@ class EnvPool:
             raise _EpisodeEnded(EpisodeStatus.ENV_TIMEOUT, error)
         raise _EpisodeEnded(EpisodeStatus.INFRA_ERROR, last_error)
 
-    def _end(self, slot: int, state: _Slot, e: _EpisodeEnded, drop_session: bool) -> SlotResult:
+    async def _end(self, slot: int, state: _Slot, e: _EpisodeEnded, *, release: bool) -> SlotResult:
+        """The episode ended on `e`. A session that is gone no longer counts; a working one is
+        given back (`release`: the request, not the session, failed) or stays the slot's."""
         log.warning("slot %d (task %s) ended %s: %s", slot, state.data_idx, e.status.value, e.error)
         state.status = e.status
-        if drop_session:
-            state.session_id = None  # its server is gone or it was never opened: the next reset opens one
+        if _session_unusable(e.cause):
+            await self._forget_session(state)  # the next reset opens one (on another server if need be)
+        elif release and not isinstance(e.cause, EnvRequestTimeout):  # a slow one stays with its slot
+            await self._release_session(state)
         return SlotResult(slot, "", done=True, status=e.status, error=e.error)
 
-    async def _close_session(self, slot: int) -> None:
-        state = self._slots[slot]
-        session_id, state.session_id = state.session_id, None
+    async def _close_session(self, server: _Server, session_id: SessionId) -> None:
         try:
             async with self._semaphore:
-                await asyncio.wait_for(state.client.close(session_id), min(self._request_timeout_s, 5.0))
+                await asyncio.wait_for(server.client.close(session_id), min(self._request_timeout_s, 5.0))
         except (EnvError, asyncio.TimeoutError) as e:
-            log.info("closing session %s on %s failed: %s", session_id, state.client.url, e)
+            log.info("closing session %s on %s failed: %s", session_id, server.client.url, e)
+        finally:
+            await self._count_closed(server)
 
 
 def _is_session_lost(error: EnvError) -> bool:

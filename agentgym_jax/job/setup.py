@@ -151,6 +151,7 @@ def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
     return EnvPool(
         urls,
         max_concurrency=env.max_concurrency,
+        max_sessions=env.max_sessions,
         request_timeout_s=env.request_timeout_s,
         episode_timeout_s=env.episode_timeout_s,
         auth_token=env.auth_token,

@@ -27,9 +27,14 @@ run in a worker thread. The sampler takes every episode whose observation has ar
 has arrived it waits at most `straggler_wait_s` for the others, so fast episodes go on without
 the slowest. Every row of the sampler's cache holds its own episode's tokens only (per-row write pointers),
 so splitting a batch over calls costs no cache space. An episode's n-th token of turn t is drawn
-with a key folded from (`rng`, episode slot, t, n), whatever call or batch it is sampled in, so a
+with a key folded from (`rng`, episode number, t, n), whatever call or batch it is sampled in, so a
 run is reproducible from `rng` and the slot scheduler (`num_slots`, `rollout/slots.py`) gives the
 same trajectories as this turn-batched engine (up to float rounding in batches of other shapes).
+
+Sessions: every episode of a batch is reset before any is stepped, so a run plays its episodes in
+waves of at most `pool.session_capacity()` (a pool bounded by `max_sessions` or by its servers'
+caps, e.g. one browser per session; one wave otherwise), with the same trajectories, and closes
+its sessions at its end.
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ class RolloutStats:
 
 @dataclasses.dataclass
 class _Episode:
-    slot: int  # the pool slot (the sampler row of the turn-batched engine)
+    slot: int  # the pool slot, also its row in its wave (the sampler row of the turn-batched engine)
     task_id: int
     group_id: int
     sample_idx: int
@@ -165,8 +170,9 @@ class RolloutEngine:
     `run` is synchronous, also in a notebook cell: it drives the pool on the engine's own event
     loop (on a thread of its own) and opens the pool there on first use (pass an unopened
     `EnvPool`; `close()` closes it). Code that already runs an event loop with an open pool awaits
-    `run_async` instead. Slots are reused by the next call
-    (their sessions are reset, not reopened). `task_info=None` asks the pool's server for it.
+    `run_async` instead. A run closes its sessions at its end (so the evaluation's and the
+    training's engines of one job share a server's session cap). `task_info=None` asks the
+    pool's server for it.
     """
 
     def __init__(
@@ -249,13 +255,20 @@ class RolloutEngine:
         params = self.sampler.sampling_params(params)
         rollout = (_SlotRollout if self.config.num_slots else _Rollout)(self, params, rng, horizon)
         n = self.config.group_size
+        # Every episode of a wave is reset before any is stepped, so a wave holds at most as many
+        # episodes as the pool holds sessions (a bounded pool, e.g. one browser per session).
+        wave = await self.pool.session_capacity()
+        samples = [(i, int(task), j) for i, task in enumerate(task_ids) for j in range(n)]
         episodes = [
-            _Episode(slot=i * n + j, task_id=int(task), group_id=group_offset + i, sample_idx=j,
-                     seed=(group_offset + i) * n + j)
-            for i, task in enumerate(task_ids)
-            for j in range(n)
+            _Episode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j)
+            for k, (i, task, j) in enumerate(samples)
         ]
-        await rollout.play(episodes)
+        try:
+            for start in range(0, len(episodes), wave):
+                await rollout.play(episodes[start : start + wave])
+        finally:  # the servers' room goes back to them: another engine's pool may need it
+            await self.pool.close_sessions()
+        rollout.episodes = episodes
         self.last_stats = rollout.stats()
         return [self._trajectory(ep, policy_version) for ep in episodes]
 
@@ -333,7 +346,7 @@ class _Rollout:
         )
 
     async def play(self, episodes: list[_Episode]) -> None:
-        self.episodes = episodes
+        self.episodes, self.state = episodes, None  # a wave: the run's next episodes, rows from 0
         try:
             await self._reset_and_prefill()
             while self.ready or self.in_flight:
@@ -345,7 +358,7 @@ class _Rollout:
                 if self.failure is not None:
                     raise self.failure
             if self.state is not None:
-                self.cache_slots = int(np.asarray(self.state.cache.index)[: len(episodes)].sum())
+                self.cache_slots += int(np.asarray(self.state.cache.index)[: len(episodes)].sum())
         finally:
             for task in self.steps:  # only left over when something raised
                 task.cancel()

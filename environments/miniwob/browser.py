@@ -157,10 +157,9 @@ class Browser:
         return self.call(self.driver.execute_script, source, *args)
 
     def open(self, url: str, seed: str, time_limit_ms: int) -> None:
-        """Loads the task page afresh and starts an episode with MiniWoB's generator seeded."""
+        """Loads the task page afresh and, once it is ready, starts an episode with MiniWoB's generator seeded."""
         self.call(self.driver.get, url)
-        if not self.script(page.START_JS, seed, time_limit_ms):
-            raise RuntimeError(f"the MiniWoB task at {url} did not become ready")
+        self.call(self.driver.execute_async_script, page.START_JS, seed, time_limit_ms)
 
     def render(self, max_text: int) -> tuple[str, list[tuple[int, str]]]:
         """(utterance, [(depth, line)]) of the page now; see `page.RENDER_JS`."""

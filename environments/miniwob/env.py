@@ -21,13 +21,16 @@ timed out (a time-out would end the episode with reward -1).
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import ClassVar
 
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 from environments.base import Environment
 from environments.miniwob import oracle, tasks
-from environments.miniwob.browser import Browser, shared_pool
+from environments.miniwob.browser import Browser, BrowserFailure, shared_pool
+
+log = logging.getLogger(__name__)
 
 TIME_LIMIT_MS = 24 * 3600 * 1000  # MiniWoB's episode timer (below setTimeout's 2^31 ms ceiling)
 MAX_TEXT = 120  # characters of one element's text in the observation
@@ -94,6 +97,7 @@ class MiniWoBEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     success_threshold: ClassVar[float] = 1.0
     blocking: ClassVar[bool] = True  # every call waits on the browser
+    max_sessions: ClassVar[int] = 8  # one Chromium each (~400 MB, 0.5-2 s of CPU to start); EnvPool waits for a free one
     # The shared suite's sweep: each session starts a browser (0.5-2 s of CPU, ~400 MB), so few
     # at a time; tests/test_miniwob.py covers every oracle task.
     oracle_sweep_episodes: ClassVar[int] = 16
@@ -130,13 +134,22 @@ class MiniWoBEnv(Environment):
         )
 
     def reset(self, data_idx: int) -> str:
+        """Loads the task's page; a browser that crashed, or failed to start or load the page (e.g.
+        starved of CPU past `COMMAND_TIMEOUT_S`), is replaced by a new one, once."""
         self.task = tasks.task(data_idx)
-        if self.browser is not None and not self.browser.alive():  # crashed in an earlier episode
-            self.browser.close()
-            self.browser = None
-        if self.browser is None:
-            self.browser = shared_pool().acquire()
-        self.browser.open(tasks.url(self.task.name), self.task.js_seed, TIME_LIMIT_MS)
+        for attempt in range(2):
+            if self.browser is not None and (self.browser.failed or not self.browser.alive()):
+                self.browser.close()
+                self.browser = None
+            try:
+                if self.browser is None:
+                    self.browser = shared_pool().acquire()
+                self.browser.open(tasks.url(self.task.name), self.task.js_seed, TIME_LIMIT_MS)
+                break
+            except BrowserFailure as e:
+                if attempt:
+                    raise
+                log.warning("miniwob reset of %s: %s; starting a new browser", self.task, e)
         self._done, self._raw_reward = False, 0.0
         self._observation = self._render()
         return self._observation

@@ -105,12 +105,21 @@ const inSelect = el.closest('select') !== null;
 return (inSelect || (rect.width > 0 && rect.height > 0)) ? el : null;
 """
 
-# Seeds MiniWoB's random generator, sets the episode time limit and starts the episode.
+# (async) Waits until the page has loaded and its onload has shown MiniWoB's start cover (the
+# state `core.startEpisodeReal` needs), then seeds MiniWoB's random generator, sets the episode
+# time limit and starts the episode. The script's time-out bounds the wait.
 START_JS = r"""
-Math.seedrandom(arguments[0]);
-core.EPISODE_MAX_TIME = arguments[1];
-core.startEpisodeReal();
-return WOB_TASK_READY;
+const [seed, limit, done] = arguments;
+const ready = () => document.readyState === 'complete' && typeof core !== 'undefined' &&
+    core.cover_div !== null && WOB_TASK_READY;
+const start = () => {
+  Math.seedrandom(seed);
+  core.EPISODE_MAX_TIME = limit;
+  core.startEpisodeReal();
+  done(true);
+};
+const wait = () => (ready() ? start() : setTimeout(wait, 10));
+wait();
 """
 
 # [done, raw reward (no time penalty), reason] of the current episode.
