@@ -4,6 +4,7 @@ scripted moves for the oracle-less games, per-episode randomness, and the oracle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import collections
 import itertools
 
@@ -222,3 +223,21 @@ def test_oracle_solves_train_tasks_of_every_oracle_game(url):
     solved = asyncio.run(_run_oracle(url, ids))
     failed = [i for i, ok in solved.items() if not ok]
     assert not failed, f"oracle failed on {failed}"
+
+
+def test_sft_demonstrations_come_from_tasks_with_an_oracle_only():
+    """The RL job's SFT tasks are drawn from the training tasks `/tasks` lists as having an oracle:
+    an oracle-less task's demonstration is an HTTP 501 (`infra_error`), a wasted SFT row."""
+    from agentgym_jax.config import ConfigError
+    from agentgym_jax.train.jobs import oracle_train_ids
+    from environments.room.env import RoomEnv
+
+    info = TextArenaEnv.task_info()
+    ids = oracle_train_ids(info)
+    assert ids and set(ids) <= set(info.splits["train"])
+    assert all(info.metadata["has_oracle"][info.metadata["game"][i]] for i in ids)
+    assert len(ids) < len(info.splits["train"])  # some games have no oracle, and they are left out
+    assert oracle_train_ids(RoomEnv.task_info()) == list(RoomEnv.task_info().splits["train"])
+    no_oracle = dataclasses.replace(info, metadata={**info.metadata, "oracle_task_ids": []})
+    with pytest.raises(ConfigError, match="no training task with an oracle"):
+        oracle_train_ids(no_oracle)

@@ -86,10 +86,23 @@ def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: in
     return {**rollout_metrics(trajectories, all_processes=True), "task_success": sorted(x for o in outcomes for x in o)}
 
 
+def oracle_train_ids(info: TaskInfo) -> list[int]:
+    """The training tasks an oracle can demonstrate: all of them, or those the environment lists."""
+    if "oracle_task_ids" not in info.metadata:
+        return list(info.splits["train"])
+    with_oracle = set(info.metadata["oracle_task_ids"])
+    ids = [i for i in info.splits["train"] if i in with_oracle]
+    if not ids:
+        raise ConfigError(f"{info.env} lists no training task with an oracle: SFT demonstrations need one (sft.num_tasks=0 skips SFT)")
+    return ids
+
+
 def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:
     """This process's share of the oracle episodes of `sft.num_tasks` training tasks (SFT data
-    and tokenizer text)."""
-    task_ids, _ = process_share(task_batch(info.splits["train"], 0, config.sft.num_tasks, config.seed + 1),
+    and tokenizer text): tasks with an oracle only, where an environment lists them
+    (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena)."""
+    train_ids = oracle_train_ids(info)
+    task_ids, _ = process_share(task_batch(train_ids, 0, config.sft.num_tasks, config.seed + 1),
                                 "sft.num_tasks", even=False)
     if not task_ids:
         return []
