@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_response_length", type=int, default=4096)
     parser.add_argument("--max_cache_len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per setting (after one warm-up)")
+    parser.add_argument("--warmup_tasks", type=int, default=4, help="ragged: tasks of the untimed compile run")
     args = parser.parse_args(argv)
     if args.workload == "ragged":
         return ragged(parser, argv)
@@ -166,7 +167,6 @@ def shared_pointer_slots(trajectories: list[Trajectory], chunk_bucket, horizon: 
 def ragged(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     parser.set_defaults(tasks=32, group_size=8, horizon=10, max_tokens_per_turn=512, max_response_length=16384,
                         max_cache_len=8192)
-    parser.add_argument("--warmup_tasks", type=int, default=4, help="tasks of the untimed compile run")
     args = parser.parse_args(argv)
     from bench import ragged_env  # noqa: E402  (the server imports it as bench.ragged_env too)
 

@@ -28,7 +28,7 @@ has arrived it waits at most `straggler_wait_s` for the others, so fast episodes
 the slowest. Every row of the sampler's cache holds its own episode's tokens only (per-row write pointers),
 so splitting a batch over calls costs no cache space. An episode's n-th token of turn t is drawn
 with a key folded from (`rng`, episode slot, t, n), whatever call or batch it is sampled in, so a
-run is reproducible from `rng` and the slot scheduler (`num_slots`, `rollout/slots.py`) gives the
+run is reproducible from `rng` and the slot engine (`num_slots`, `_SlotRollout` below) gives the
 same trajectories as this turn-batched engine (up to float rounding in batches of other shapes).
 """
 
@@ -50,7 +50,6 @@ from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.rollout.transcript import PromptStyle, Transcript, empty_trajectory
-from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerState, StopReason, Turn, TurnOutput
 
@@ -536,14 +535,12 @@ class _SlotRollout(_Rollout):
                         self.holder[row], self.index[row] = None, 0
                         free.append(row)
                 admitted = []
-                free.sort()  # the lowest rows first: decode runs over the rows up to the last active one
+                free.sort()  # the lowest rows first (decode gathers the active rows wherever they are)
                 while free and waiting:
                     ep = waiting.popleft()
                     ep.row = free.pop(0)
                     self.holder[ep.row] = ep
                     admitted.append(ep)
-                if not waiting:
-                    await self._compact(free)
                 arrived = sorted((self.episodes[i] for i in self.ready), key=lambda ep: ep.row)
                 self.ready.clear()
                 if admitted or arrived:
@@ -559,28 +556,6 @@ class _SlotRollout(_Rollout):
         finally:
             for task in self.steps:  # only left over when something raised
                 task.cancel()
-
-    async def _compact(self, free: list[int]) -> None:
-        """Once no episode waits for a row, moves the episodes of high rows into free low ones, so
-        the rows decode runs over (up to the last active one, bucketed) shrink with the batch."""
-        held = [row for row, ep in enumerate(self.holder) if ep is not None]
-        if not held:
-            return
-        keep = buckets.bucket(len(held), self.sampler.batch_buckets, "rows")
-        moves = list(zip(sorted(r for r in free if r < keep), [r for r in reversed(held) if r >= keep]))
-        if not moves:
-            return
-        dst, src = (list(x) for x in zip(*moves))
-        self.state = await self._in_sampler(lambda: self.sampler.copy(self.state, src, dst), [])
-        for field in self.turn:
-            field[dst] = field[src]
-        self.turn.active[src] = False
-        self.index[dst], self.index[src] = self.index[src], 0
-        for a, b in moves:
-            ep, self.holder[b] = self.holder[b], None
-            self.holder[a], ep.row = ep, a
-            free.remove(a)
-            free.append(b)
 
     async def _reset_all(self) -> None:
         await self._reset_episodes()
