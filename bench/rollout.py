@@ -197,10 +197,12 @@ def ragged(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     with LocalServers([RAGGED_ENV]) as servers:
         url = servers.urls[RAGGED_ENV]
         for name, config in settings.items():
-            # Coarse buckets: few shapes to compile (the slot engine fills 16 rows at a time).
+            # Few shapes to compile, but fine where padding costs: decode chunks gather the active
+            # rows in steps of 8, fills go 1, 4 or 16 rows at a time (grouped by chunk bucket).
             sampler = Sampler.for_decoder(
                 model_config, config.sampling_config(framing), max_cache_len=args.max_cache_len,
-                batch_buckets=(16, 64, 256), chunk_buckets=(64, 256, 1024), fill_buckets=(16,),
+                batch_buckets=(16, 64, 256), chunk_buckets=(64, 128, 256, 512, 1024), fill_buckets=(1, 4, 16),
+                decode_buckets=tuple(range(8, args.num_slots, 8)) + (args.num_slots,),
                 cache_buckets=tuple(b for b in (1024, 2048, 4096) if b < args.max_cache_len) + (args.max_cache_len,),
             )
             with RolloutEngine(sampler, framing, EnvPool(url, max_concurrency=256), None, config,

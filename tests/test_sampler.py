@@ -290,11 +290,11 @@ def test_cache_overflow_is_a_status_not_a_wrap():
 
 
 def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
-    """The slot path (fill rows, copy one to a row sharing its prompt, decode in chunks of 3
-    steps over the active rows gathered from anywhere in the slot batch) samples, at temperature
-    1 with the same per-row seeds, the tokens and log-probs of prefill + generate; a row outside
-    the chunk keeps its cache; then an observation filled into one row continues it like
-    `append` does."""
+    """The slot path (fill rows, copy a prompt's slots out of a row that went on into the rows
+    sharing it, decode in chunks of 3 steps over the active rows gathered from anywhere in the
+    slot batch) samples, at temperature 1 with the same per-row seeds, the tokens and log-probs of
+    prefill + generate; a row outside the chunk keeps its cache; then an observation filled into
+    one row continues it like `append` does."""
     params = toy_params(4)
     config = SamplingConfig(max_new_tokens=7, temperature=1.0, eot_ids=(5,))
     prompts = [[1, 2, 3], [4, 6, 7, 8], [1, 2, 3]]
@@ -308,11 +308,15 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
                           decode_buckets=(2, 4))
     slots = sampler.init_slots(params, 8)
     index = np.zeros(8, np.int64)
-    rows = [1, 4, 7]  # spread over the 8 slot rows; row 6 holds a prompt but samples nothing
-    slots = sampler.fill(params, slots, [1, 4, 6], prompts[:2] + [[2, 2]], [True, True, True], index)
-    slots = sampler.copy(slots, [1], [7])  # row 7 shares row 1's prompt
-    np.testing.assert_array_equal(np.asarray(slots.cache.index)[rows + [6]], [3, 4, 3, 2])
-    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[7], np.asarray(slots.cache.positions)[1])
+    rows = [1, 4, 7]  # spread over the 8 slot rows; rows 5 and 6 hold tokens but sample nothing
+    slots = sampler.fill(params, slots, [5, 4, 6], [prompts[0], prompts[1], [2, 2]], [True, True, True], index)
+    prompt_logits = sampler.row_logits(slots, [5])
+    index[5] = 3
+    slots = sampler.fill(params, slots, [5], [[9, 9]], [False], index)  # row 5's episode goes on
+    # Rows 1 and 7 share the prompt [1, 2, 3]: its slots copied out of row 5, its logits from before.
+    slots = sampler.copy_prefix(slots, [5, 5], [1, 7], [3, 3], np.concatenate([prompt_logits] * 2))
+    np.testing.assert_array_equal(np.asarray(slots.cache.index)[rows + [5, 6]], [3, 4, 3, 5, 2])
+    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[7, :4], [0, 1, 2, -1])
     row6 = lambda state: jax.tree.map(lambda x: np.asarray(x)[:, 6] if x.ndim == 5 else np.asarray(x)[6],
                                       (state.cache, state.logits))  # noqa: E731
     idle = row6(slots)
@@ -322,7 +326,7 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
     seeds8 = np.zeros((8, 2), np.int32)
     seeds8[rows] = seeds
     turn = Turn.start(live, limit, seeds=seeds8)
-    index[rows + [6]] = [3, 4, 3, 2]
+    index[rows + [5, 6]] = [3, 4, 3, 5, 2]
     tokens = [[] for _ in rows]
     logprobs = [[] for _ in rows]
     while turn.active.any():

@@ -502,15 +502,20 @@ class _Rollout:
                 self.ready.add(ep.slot)
 
 
+def _prompt(ep: _Episode) -> tuple[int, ...]:
+    return tuple(ep.transcript.token_ids[: ep.transcript.prompt_len])
+
+
 class _SlotRollout(_Rollout):
     """Continuous batching: `num_slots` sampler rows shared by any number of episodes.
 
-    Decode runs in chunks of `decode_chunk` steps. Between chunks the host admits waiting
-    episodes into free rows (each distinct prompt prefilled once, copied into the rows of the
-    episodes that share it: a task's group), appends the observations that arrived meanwhile
-    (only those rows are computed) and starts their next turn, while the other rows keep
-    decoding; an episode that ended frees its row. So no episode waits for the slowest turn of a
-    batch, and rows are not left idle once their episode is over.
+    Decode runs in chunks of `decode_chunk` steps over the rows whose turn is in progress only
+    (`Sampler.decode_chunk` gathers them). Between chunks the host admits waiting episodes into
+    free rows (each distinct prompt prefilled once; the episodes that share it, a task's group,
+    copy it from a row that holds it, see `_admit`), appends the observations that arrived
+    meanwhile (only those rows are computed) and starts their next turn, while the other rows
+    keep decoding; an episode that ended frees its row. So no episode waits for the slowest turn
+    of a batch, and rows waiting on their environment or left empty cost no decode steps.
     """
 
     async def play(self, episodes: list[_Episode]) -> None:
@@ -527,6 +532,9 @@ class _SlotRollout(_Rollout):
             self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
             self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
             self.holder: list[_Episode | None] = [None] * batch
+            # prompt -> its next-token logits (host), kept while an episode with it waits for a row
+            self.prompt_logits: dict[tuple[int, ...], np.ndarray] = {}
+            self.prompts_waiting = collections.Counter(_prompt(ep) for ep in waiting)
             free = list(range(num_slots))
             while waiting or self.in_flight or any(self.holder):
                 for row, ep in enumerate(self.holder):  # episodes that ended give their row back
@@ -565,23 +573,45 @@ class _SlotRollout(_Rollout):
                     f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
                 )
 
-    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
-        """(worker thread) Prefills the admitted episodes' prompts (each distinct one once, then
-        copied), appends the arrived observations, and starts all their turns."""
-        if admitted:
-            first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
-            for ep in admitted:
-                first.setdefault(tuple(ep.transcript.token_ids), ep.row)
-            rows = list(first.values())
-            self.state = self.sampler.fill(
-                self.params, self.state, rows, list(first), [True] * len(rows), self.index
-            )
+    def _admit(self, admitted: list[_Episode]) -> None:
+        """(worker thread) Puts the admitted episodes' prompts into their rows. Each distinct
+        prompt is prefilled once, in the row of its first episode, unless a row held by an earlier
+        episode starts with it (its group's); the others copy the prompt's slots from that row
+        and take its next-token logits (kept on the host while a group member waits)."""
+        prompt = _prompt
+        now = {ep.row for ep in admitted}
+        source: dict[tuple[int, ...], int] = {}  # prompt -> a row, not admitted now, that starts with it
+        for row, ep in enumerate(self.holder):
+            if ep is not None and row not in now and prompt(ep) in self.prompt_logits:
+                source.setdefault(prompt(ep), row)
+        first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
+        for ep in admitted:
+            if prompt(ep) not in source:
+                first.setdefault(prompt(ep), ep.row)
+        rows = list(first.values())
+        if rows:
+            self.state = self.sampler.fill(self.params, self.state, rows, list(first), [True] * len(rows), self.index)
             self.index[rows] = [len(p) for p in first]
-            copies = [(first[tuple(ep.transcript.token_ids)], ep.row) for ep in admitted if ep.row not in rows]
-            if copies:
-                src, dst = zip(*copies)
-                self.state = self.sampler.copy(self.state, src, dst)
-                self.index[list(dst)] = self.index[list(src)]
+            self.prompt_logits.update(zip(first, self.sampler.row_logits(self.state, rows)))
+            source.update(first)
+        shared = [ep for ep in admitted if ep.row != source[prompt(ep)]]
+        if shared:
+            lengths = [len(prompt(ep)) for ep in shared]
+            self.state = self.sampler.copy_prefix(
+                self.state, [source[prompt(ep)] for ep in shared], [ep.row for ep in shared], lengths,
+                np.stack([self.prompt_logits[prompt(ep)] for ep in shared]),
+            )
+            self.index[[ep.row for ep in shared]] = lengths
+        for ep in admitted:
+            self.prompts_waiting[prompt(ep)] -= 1
+            if not self.prompts_waiting[prompt(ep)]:
+                self.prompt_logits.pop(prompt(ep), None)
+
+    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
+        """(worker thread) Puts the admitted episodes' prompts into their rows (`_admit`), appends
+        the arrived observations, and starts all their turns."""
+        if admitted:
+            self._admit(admitted)
         fits = [ep for ep in arrived if self.index[ep.row] + len(ep.pending) <= self.sampler.max_cache_len]
         for ep in arrived:
             if ep not in fits:  # no room left in the cache: the pending observation is not kept

@@ -9,7 +9,7 @@ Two pure functions do the work, both over the `KVCache` contract (`models/cache.
   every row is done, so a batch costs as many steps as its longest turn.
 
 For continuous batching (`rollout.num_slots`): `fill_rows` appends to a few rows only (gathered,
-run, scattered back), `copy_rows` copies a row (a shared prompt), and `decode_rows` runs
+run, scattered back), `copy_prefix` copies a row's first tokens (a shared prompt), and `decode_rows` runs
 `decode` in chunks over the rows whose turn is in progress (gathered the same way) and the slots
 they hold. A `Turn` carries each row's turn across chunks.
 
@@ -360,9 +360,16 @@ def fill_rows(
     return _put_rows(cache, rows, sub), _put_rows(logits, rows, sub_logits)
 
 
-def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[KVCache, jax.Array]:
-    """Row `dst[i]` becomes a copy of row `src[i]` (cache and logits); out-of-range `dst`: dropped."""
-    return _put_rows(cache, dst, _take_rows(cache, src)), _put_rows(logits, dst, _take_rows(logits, src))
+def copy_prefix(
+    cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array, lengths: jax.Array, dst_logits: jax.Array
+) -> tuple[KVCache, jax.Array]:
+    """Row `dst[i]` becomes the first `lengths[i]` tokens of row `src[i]` (its older slots: a
+    shared prompt while the source row went on), with next-token logits `dst_logits [K, V]`;
+    out-of-range `dst`: dropped."""
+    sub = _take_rows(cache, src)
+    keep = jnp.arange(cache.max_len, dtype=jnp.int32)[None, :] < lengths[:, None]  # [K, S]
+    sub = sub.replace(positions=jnp.where(keep, sub.positions, -1), index=lengths)
+    return _put_rows(cache, dst, sub), _put_rows(logits, dst, dst_logits)
 
 
 def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any, **kw) -> Callable:
@@ -532,7 +539,10 @@ class Sampler:
             static_argnums=0,
             donate_argnums=(2, 3),
         )
-        self._copy = jit(copy_rows, ("cache", "batch", rows, rows), ("cache", "batch"), donate_argnums=(0, 1))
+        self._take_logits = jit(lambda logits, rows: _take_rows(logits, rows), ("batch", rows), "replicated")
+        self._copy_prefix = jit(
+            copy_prefix, ("cache", "batch", rows, rows, rows, rows), ("cache", "batch"), donate_argnums=(0, 1)
+        )
         # Growing pads into a bigger buffer: donation cannot alias it, `_ensure_capacity` frees the old one.
         self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
@@ -738,13 +748,23 @@ class Sampler:
         """Appends `chunks[i]` to row `rows[i]` (`fresh[i]`: the row's old tokens are dropped first).
 
         `index [batch]`: each row's tokens now (host copy of `cache.index`); the caller checks
-        that every row fits in `max_cache_len`. Rows go `fill_buckets[-1]` at a time, over the
-        slot bucket their tokens need.
+        that every row fits in `max_cache_len`. A fill costs its rows bucket x chunk bucket x
+        slot bucket, so rows are grouped by the chunk bucket of their chunk and the slot bucket
+        their tokens need (a short observation is not padded to a long one's width, nor attends
+        over a long row's slots), and go at most `fill_buckets[-1]` at a time.
         """
+        kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(rows, np.int64)])
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            width = buckets.bucket(max(len(chunk), 1), self.chunk_buckets, "chunk length")
+            groups.setdefault((width, self._cache_bucket(int(kept[i]) + len(chunk))), []).append(i)
         step = self.fill_buckets[-1]
-        for start in range(0, len(rows), step):
-            part = slice(start, start + step)
-            state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
+        for members in groups.values():
+            for start in range(0, len(members), step):
+                part = members[start : start + step]
+                state = self._fill_part(
+                    params, state, [rows[i] for i in part], [chunks[i] for i in part], [fresh[i] for i in part], index
+                )
         return state
 
     def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
@@ -762,13 +782,25 @@ class Sampler:
             self.work.prompt_tokens_computed += tokens.size
         return state.replace(cache=cache, logits=logits)
 
-    def copy(self, state: SamplerState, src: Sequence[int], dst: Sequence[int]) -> SamplerState:
-        """Row `dst[i]` becomes a copy of row `src[i]` (a group's shared prompt, prefilled once)."""
+    def row_logits(self, state: SamplerState, rows: Sequence[int]) -> np.ndarray:
+        """[len(rows), V] the rows' next-token logits on the host (rows padded to a fill bucket)."""
+        k = buckets.bucket(len(rows), self.fill_buckets, "rows")
+        row_ids = np.zeros((k,), np.int32)
+        row_ids[: len(rows)] = rows
+        return np.asarray(self._take_logits(state.logits, row_ids))[: len(rows)]
+
+    def copy_prefix(
+        self, state: SamplerState, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int], logits: np.ndarray
+    ) -> SamplerState:
+        """Row `dst[i]` becomes the first `lengths[i]` tokens of row `src[i]`, with next-token
+        logits `logits[i]` (a group's prompt, copied out of a row whose episode went on)."""
         batch = state.live.shape[0]
         k = buckets.bucket(len(dst), self.batch_buckets, "rows to copy")
-        row_src, row_dst = np.zeros((k,), np.int32), np.full((k,), batch, np.int32)
-        row_src[: len(src)], row_dst[: len(dst)] = src, dst
-        cache, logits = self._copy(state.cache, state.logits, row_src, row_dst)
+        row_src, row_dst, row_len = np.zeros((k,), np.int32), np.full((k,), batch, np.int32), np.zeros((k,), np.int32)
+        row_src[: len(src)], row_dst[: len(dst)], row_len[: len(dst)] = src, dst, lengths
+        row_logits = np.zeros((k, state.logits.shape[1]), np.float32)
+        row_logits[: len(dst)] = logits
+        cache, logits = self._copy_prefix(state.cache, state.logits, row_src, row_dst, row_len, row_logits)
         return state.replace(cache=cache, logits=logits)
 
     def decode_chunk(
