@@ -17,8 +17,8 @@ default settings; r = continuation tokens / re-prefill tokens, lower is better).
 
 Ragged multi-turn batches, side by side on the same episodes: the turn-batched engine (every
 episode a sampler row, each turn waits for the batch's longest; lock-step) against the slot
-engine (continuous batching: `--num_slots` rows, decode in chunks of `--decode_chunk` steps,
-refill, shared group prompts). Turn lengths are forced (end-of-turn masked until a length drawn
+engine (continuous batching: `--num_slots` rows, decode in chunks of `--decode_chunk` steps over
+the rows whose turn is in progress, refill, shared group prompts). Turn lengths are forced (end-of-turn masked until a length drawn
 from a fixed heavy-tailed distribution in [5, 512], then forced); observations of drawn lengths
 come from a real server (`bench/ragged_env.py`). A tiny random decoder; each engine first runs
 `--warmup_tasks` tasks to compile, then the workload timed (compilations left in it are counted
