@@ -578,34 +578,33 @@ class _SlotRollout(_Rollout):
         prompt is prefilled once, in the row of its first episode, unless a row held by an earlier
         episode starts with it (its group's); the others copy the prompt's slots from that row
         and take its next-token logits (kept on the host while a group member waits)."""
-        prompt = _prompt
         now = {ep.row for ep in admitted}
         source: dict[tuple[int, ...], int] = {}  # prompt -> a row, not admitted now, that starts with it
         for row, ep in enumerate(self.holder):
-            if ep is not None and row not in now and prompt(ep) in self.prompt_logits:
-                source.setdefault(prompt(ep), row)
+            if ep is not None and row not in now and _prompt(ep) in self.prompt_logits:
+                source.setdefault(_prompt(ep), row)
         first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
         for ep in admitted:
-            if prompt(ep) not in source:
-                first.setdefault(prompt(ep), ep.row)
+            if _prompt(ep) not in source:
+                first.setdefault(_prompt(ep), ep.row)
         rows = list(first.values())
         if rows:
             self.state = self.sampler.fill(self.params, self.state, rows, list(first), [True] * len(rows), self.index)
             self.index[rows] = [len(p) for p in first]
             self.prompt_logits.update(zip(first, self.sampler.row_logits(self.state, rows)))
             source.update(first)
-        shared = [ep for ep in admitted if ep.row != source[prompt(ep)]]
+        shared = [ep for ep in admitted if ep.row != source[_prompt(ep)]]
         if shared:
-            lengths = [len(prompt(ep)) for ep in shared]
+            lengths = [len(_prompt(ep)) for ep in shared]
             self.state = self.sampler.copy_prefix(
-                self.state, [source[prompt(ep)] for ep in shared], [ep.row for ep in shared], lengths,
-                np.stack([self.prompt_logits[prompt(ep)] for ep in shared]),
+                self.state, [source[_prompt(ep)] for ep in shared], [ep.row for ep in shared], lengths,
+                np.stack([self.prompt_logits[_prompt(ep)] for ep in shared]),
             )
             self.index[[ep.row for ep in shared]] = lengths
         for ep in admitted:
-            self.prompts_waiting[prompt(ep)] -= 1
-            if not self.prompts_waiting[prompt(ep)]:
-                self.prompt_logits.pop(prompt(ep), None)
+            self.prompts_waiting[_prompt(ep)] -= 1
+            if not self.prompts_waiting[_prompt(ep)]:
+                self.prompt_logits.pop(_prompt(ep), None)
 
     def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
         """(worker thread) Puts the admitted episodes' prompts into their rows (`_admit`), appends
