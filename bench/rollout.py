@@ -17,8 +17,8 @@ default settings; r = continuation tokens / re-prefill tokens, lower is better).
 
 Ragged multi-turn batches, side by side on the same episodes: the turn-batched engine (every
 episode a sampler row, each turn waits for the batch's longest; lock-step) against the slot
-engine (continuous batching: `--num_slots` rows, decode in chunks of `--decode_chunk` steps,
-refill, shared group prompts). Turn lengths are forced (end-of-turn masked until a length drawn
+engine (continuous batching: `--num_slots` rows, decode in chunks of `--decode_chunk` steps over
+the rows whose turn is in progress, refill, shared group prompts). Turn lengths are forced (end-of-turn masked until a length drawn
 from a fixed heavy-tailed distribution in [5, 512], then forced); observations of drawn lengths
 come from a real server (`bench/ragged_env.py`). A tiny random decoder; each engine first runs
 `--warmup_tasks` tasks to compile, then the workload timed (compilations left in it are counted
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_response_length", type=int, default=4096)
     parser.add_argument("--max_cache_len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per setting (after one warm-up)")
+    parser.add_argument("--warmup_tasks", type=int, default=4, help="ragged: tasks of the untimed compile run")
     args = parser.parse_args(argv)
     if args.workload == "ragged":
         return ragged(parser, argv)
@@ -166,7 +167,6 @@ def shared_pointer_slots(trajectories: list[Trajectory], chunk_bucket, horizon: 
 def ragged(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     parser.set_defaults(tasks=32, group_size=8, horizon=10, max_tokens_per_turn=512, max_response_length=16384,
                         max_cache_len=8192)
-    parser.add_argument("--warmup_tasks", type=int, default=4, help="tasks of the untimed compile run")
     args = parser.parse_args(argv)
     from bench import ragged_env  # noqa: E402  (the server imports it as bench.ragged_env too)
 
@@ -197,10 +197,12 @@ def ragged(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     with LocalServers([RAGGED_ENV]) as servers:
         url = servers.urls[RAGGED_ENV]
         for name, config in settings.items():
-            # Coarse buckets: few shapes to compile (the slot engine fills 16 rows at a time).
+            # Few shapes to compile, but fine where padding costs: decode chunks gather the active
+            # rows in steps of 8, fills go 1, 4 or 16 rows at a time (grouped by chunk bucket).
             sampler = Sampler.for_decoder(
                 model_config, config.sampling_config(framing), max_cache_len=args.max_cache_len,
-                batch_buckets=(16, 64, 256), chunk_buckets=(64, 256, 1024), fill_buckets=(16,),
+                batch_buckets=(16, 64, 256), chunk_buckets=(64, 128, 256, 512, 1024), fill_buckets=(1, 4, 16),
+                decode_buckets=tuple(range(8, args.num_slots, 8)) + (args.num_slots,),
                 cache_buckets=tuple(b for b in (1024, 2048, 4096) if b < args.max_cache_len) + (args.max_cache_len,),
             )
             with RolloutEngine(sampler, framing, EnvPool(url, max_concurrency=256), None, config,

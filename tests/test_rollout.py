@@ -265,6 +265,29 @@ def test_a_bounded_pool_plays_in_waves_with_the_same_trajectories(framing, model
         assert a.turn_rewards == b.turn_rewards
 
 
+def test_a_group_member_admitted_later_copies_the_prompt(framing, model, sampler, maze_url, task_info):
+    """One task x 3 episodes over 2 slots, turns forced to 1, 8 and 2 tokens: the third episode is
+    admitted when the first ends, while the second still holds its row, and copies the prompt out
+    of that row instead of prefilling it again (the slot engine prefills the prompt once); every
+    trajectory is the turn-batched engine's, token for token."""
+    lengths = {0: 1, 1: MAX_NEW, 2: 2}
+    base = RolloutConfig(group_size=3, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
+    runs = {}
+    for name, config in (("turns", base), ("slots", dataclasses.replace(base, num_slots=2, decode_chunk=1))):
+        sampler.work = SamplerWork()
+        with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config,
+                           turn_lengths=lambda task, sample, turn: lengths[sample]) as engine:
+            runs[name] = engine.run(model[1], [4], 3, jax.random.key(1), policy_version=0)
+            runs[name + "_stats"] = engine.last_stats
+    for a, b in zip(runs["turns"], runs["slots"]):
+        assert a.status == b.status and a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert [t.num_turns for t in runs["slots"]] == [3, 3, 3]
+    one_prefill = 4 * 256  # the fixture's 4-row bucket x the prompt's chunk bucket
+    assert runs["turns_stats"].prompt_tokens_computed == one_prefill  # 3 rows in one batch
+    assert runs["slots_stats"].prompt_tokens_computed == one_prefill  # 1 row, the others copied
+
+
 def test_token_budget(framing, model, sampler, maze_url, task_info):
     # 20 tokens: the first turn fits (<= 8 ids) but no observation (~60 ids) after it does.
     for budget in (5, 20):

@@ -290,10 +290,11 @@ def test_cache_overflow_is_a_status_not_a_wrap():
 
 
 def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
-    """The slot path (fill a row, copy it to a second row sharing the prompt, decode in chunks of
-    3 steps over a prefix of rows and slots) samples, at temperature 1 with the same per-row
-    seeds, the tokens and log-probs of prefill + generate; then an observation filled into one
-    row continues it like `append` does."""
+    """The slot path (fill rows, copy a prompt's slots out of a row that went on into the rows
+    sharing it, decode in chunks of 3 steps over the active rows gathered from anywhere in the
+    slot batch) samples, at temperature 1 with the same per-row seeds, the tokens and log-probs of
+    prefill + generate; a row outside the chunk keeps its cache; then an observation filled into
+    one row continues it like `append` does."""
     params = toy_params(4)
     config = SamplingConfig(max_new_tokens=7, temperature=1.0, eot_ids=(5,))
     prompts = [[1, 2, 3], [4, 6, 7, 8], [1, 2, 3]]
@@ -303,47 +304,62 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
     state, _ = reference.append(params, state, [[9, 10], [], []], live=[True, False, False])
     want_logits = np.asarray(state.logits)[0]
 
-    sampler = toy_sampler(config, batch_buckets=(2, 4, 8), cache_buckets=(16, 32, 64, 256), fill_buckets=(2,))
+    sampler = toy_sampler(config, batch_buckets=(2, 4, 8), cache_buckets=(16, 32, 64, 256), fill_buckets=(2,),
+                          decode_buckets=(2, 4))
     slots = sampler.init_slots(params, 8)
     index = np.zeros(8, np.int64)
-    rows = [0, 1, 2]
-    slots = sampler.fill(params, slots, rows[:2], prompts[:2], [True, True], index)
-    slots = sampler.copy(slots, [0], [2])  # row 2 shares row 0's prompt
-    np.testing.assert_array_equal(np.asarray(slots.cache.index)[:3], [3, 4, 3])
-    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[2], np.asarray(slots.cache.positions)[0])
+    rows = [1, 4, 7]  # spread over the 8 slot rows; rows 5 and 6 hold tokens but sample nothing
+    slots = sampler.fill(params, slots, [5, 4, 6], [prompts[0], prompts[1], [2, 2]], [True, True, True], index)
+    prompt_logits = sampler.row_logits(slots, [5])
+    index[5] = 3
+    slots = sampler.fill(params, slots, [5], [[9, 9]], [False], index)  # row 5's episode goes on
+    # Rows 1 and 7 share the prompt [1, 2, 3]: its slots copied out of row 5, its logits from before.
+    slots = sampler.copy_prefix(slots, [5, 5], [1, 7], [3, 3], np.concatenate([prompt_logits] * 2))
+    np.testing.assert_array_equal(np.asarray(slots.cache.index)[rows + [5, 6]], [3, 4, 3, 5, 2])
+    np.testing.assert_array_equal(np.asarray(slots.cache.positions)[7, :4], [0, 1, 2, -1])
+    row6 = lambda state: jax.tree.map(lambda x: np.asarray(x)[:, 6] if x.ndim == 5 else np.asarray(x)[6],
+                                      (state.cache, state.logits))  # noqa: E731
+    idle = row6(slots)
     live = np.zeros(8, bool)
     live[rows] = True
     limit = np.full(8, 7, np.int32)
     seeds8 = np.zeros((8, 2), np.int32)
     seeds8[rows] = seeds
     turn = Turn.start(live, limit, seeds=seeds8)
-    index[rows] = [3, 4, 3]
+    index[rows + [5, 6]] = [3, 4, 3, 5, 2]
     tokens = [[] for _ in rows]
     logprobs = [[] for _ in rows]
     while turn.active.any():
-        before = turn.count.copy()
+        before, gathered = turn.count.copy(), 4 if turn.active.sum() > 2 else 2  # the decode bucket
+        work = sampler.work.decode_row_steps
         slots, turn, (chunk, chunk_logprobs, _, index) = sampler.decode_chunk(
             params, slots, turn, jax.random.key(9), 3, index
         )
-        assert chunk.shape == (4, 3)  # rows up to the last active one (bucket 4), 3 steps
-        for row in rows:
-            n = turn.count[row] - before[row]
-            tokens[row] += chunk[row, :n].tolist()
-            logprobs[row] += chunk_logprobs[row, :n].tolist()
-    for row in rows:
-        assert tokens[row] == want.tokens[row, : want.count[row]].tolist()
-        np.testing.assert_allclose(logprobs[row], want.logprobs[row, : want.count[row]], atol=1e-5)
-    np.testing.assert_array_equal(turn.stop[:3], want.stop)
+        assert chunk.shape == (8, 3)  # indexed by slot row
+        computed = turn.count - before
+        assert sampler.work.decode_row_steps - work == gathered * computed.max()
+        for i, row in enumerate(rows):
+            n = computed[row]
+            tokens[i] += chunk[row, :n].tolist()
+            logprobs[i] += chunk_logprobs[row, :n].tolist()
+        assert computed[6] == 0 and (chunk[6] == config.pad_id).all()
+    for i in range(len(rows)):
+        assert tokens[i] == want.tokens[i, : want.count[i]].tolist()
+        np.testing.assert_allclose(logprobs[i], want.logprobs[i, : want.count[i]], atol=1e-5)
+    np.testing.assert_array_equal(turn.stop[rows], want.stop)
+    # The row the chunks did not decode is bit for bit what it was.
+    for a, b in zip(jax.tree.leaves(idle), jax.tree.leaves(row6(slots))):
+        np.testing.assert_array_equal(a, b)
     index = np.asarray(index).astype(np.int64)
-    slots = sampler.fill(params, slots, [0], [[9, 10]], [False], index)
-    np.testing.assert_allclose(np.asarray(slots.logits)[0], want_logits, rtol=1e-5, atol=1e-5)
+    slots = sampler.fill(params, slots, [1], [[9, 10]], [False], index)
+    np.testing.assert_allclose(np.asarray(slots.logits)[1], want_logits, rtol=1e-5, atol=1e-5)
     # A row refilled with a shorter prompt (a smaller slot bucket) forgets all its old tokens.
-    slots = sampler.fill(params, slots, [1], [list(range(1, 21))], [True], index)  # 20 tokens: bucket 32
-    index[1] = 20
-    slots = sampler.fill(params, slots, [1], [[3, 4]], [True], index)  # bucket 16
-    row = np.asarray(slots.cache.positions)[1]
+    slots = sampler.fill(params, slots, [4], [list(range(1, 21))], [True], index)  # 20 tokens: bucket 32
+    index[4] = 20
+    slots = sampler.fill(params, slots, [4], [[3, 4]], [True], index)  # bucket 16
+    row = np.asarray(slots.cache.positions)[4]
     np.testing.assert_array_equal(np.sort(row[row >= 0]), [0, 1])
-    assert int(np.asarray(slots.cache.index)[1]) == 2
+    assert int(np.asarray(slots.cache.index)[4]) == 2
 
 
 def test_forced_turn_lengths():

@@ -28,7 +28,7 @@ has arrived it waits at most `straggler_wait_s` for the others, so fast episodes
 the slowest. Every row of the sampler's cache holds its own episode's tokens only (per-row write pointers),
 so splitting a batch over calls costs no cache space. An episode's n-th token of turn t is drawn
 with a key folded from (`rng`, episode number, t, n), whatever call or batch it is sampled in, so a
-run is reproducible from `rng` and the slot scheduler (`num_slots`, `rollout/slots.py`) gives the
+run is reproducible from `rng` and the slot engine (`num_slots`, `_SlotRollout` below) gives the
 same trajectories as this turn-batched engine (up to float rounding in batches of other shapes).
 
 Sessions: every episode of a batch is reset before any is stepped, so a run plays its episodes in
@@ -55,7 +55,6 @@ from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.rollout.transcript import PromptStyle, Transcript, empty_trajectory
-from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerState, StopReason, Turn, TurnOutput
 
@@ -516,15 +515,20 @@ class _Rollout:
                 self.ready.add(ep.slot)
 
 
+def _prompt(ep: _Episode) -> tuple[int, ...]:
+    return tuple(ep.transcript.token_ids[: ep.transcript.prompt_len])
+
+
 class _SlotRollout(_Rollout):
     """Continuous batching: `num_slots` sampler rows shared by any number of episodes.
 
-    Decode runs in chunks of `decode_chunk` steps. Between chunks the host admits waiting
-    episodes into free rows (each distinct prompt prefilled once, copied into the rows of the
-    episodes that share it: a task's group), appends the observations that arrived meanwhile
-    (only those rows are computed) and starts their next turn, while the other rows keep
-    decoding; an episode that ended frees its row. So no episode waits for the slowest turn of a
-    batch, and rows are not left idle once their episode is over.
+    Decode runs in chunks of `decode_chunk` steps over the rows whose turn is in progress only
+    (`Sampler.decode_chunk` gathers them). Between chunks the host admits waiting episodes into
+    free rows (each distinct prompt prefilled once; the episodes that share it, a task's group,
+    copy it from a row that holds it, see `_admit`), appends the observations that arrived
+    meanwhile (only those rows are computed) and starts their next turn, while the other rows
+    keep decoding; an episode that ended frees its row. So no episode waits for the slowest turn
+    of a batch, and rows waiting on their environment or left empty cost no decode steps.
     """
 
     async def play(self, episodes: list[_Episode]) -> None:
@@ -541,6 +545,9 @@ class _SlotRollout(_Rollout):
             self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
             self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
             self.holder: list[_Episode | None] = [None] * batch
+            # prompt -> its next-token logits (host), kept while an episode with it waits for a row
+            self.prompt_logits: dict[tuple[int, ...], np.ndarray] = {}
+            self.prompts_waiting = collections.Counter(_prompt(ep) for ep in waiting)
             free = list(range(num_slots))
             while waiting or self.in_flight or any(self.holder):
                 for row, ep in enumerate(self.holder):  # episodes that ended give their row back
@@ -549,14 +556,12 @@ class _SlotRollout(_Rollout):
                         self.holder[row], self.index[row] = None, 0
                         free.append(row)
                 admitted = []
-                free.sort()  # the lowest rows first: decode runs over the rows up to the last active one
+                free.sort()  # the lowest rows first (decode gathers the active rows wherever they are)
                 while free and waiting:
                     ep = waiting.popleft()
                     ep.row = free.pop(0)
                     self.holder[ep.row] = ep
                     admitted.append(ep)
-                if not waiting:
-                    await self._compact(free)
                 arrived = sorted((self.episodes[i] for i in self.ready), key=lambda ep: ep.row)
                 self.ready.clear()
                 if admitted or arrived:
@@ -573,28 +578,6 @@ class _SlotRollout(_Rollout):
             for task in self.steps:  # only left over when something raised
                 task.cancel()
 
-    async def _compact(self, free: list[int]) -> None:
-        """Once no episode waits for a row, moves the episodes of high rows into free low ones, so
-        the rows decode runs over (up to the last active one, bucketed) shrink with the batch."""
-        held = [row for row, ep in enumerate(self.holder) if ep is not None]
-        if not held:
-            return
-        keep = buckets.bucket(len(held), self.sampler.batch_buckets, "rows")
-        moves = list(zip(sorted(r for r in free if r < keep), [r for r in reversed(held) if r >= keep]))
-        if not moves:
-            return
-        dst, src = (list(x) for x in zip(*moves))
-        self.state = await self._in_sampler(lambda: self.sampler.copy(self.state, src, dst), [])
-        for field in self.turn:
-            field[dst] = field[src]
-        self.turn.active[src] = False
-        self.index[dst], self.index[src] = self.index[src], 0
-        for a, b in moves:
-            ep, self.holder[b] = self.holder[b], None
-            self.holder[a], ep.row = ep, a
-            free.remove(a)
-            free.append(b)
-
     async def _reset_all(self) -> None:
         await self._reset_episodes()
         for ep in self.episodes:
@@ -603,23 +586,44 @@ class _SlotRollout(_Rollout):
                     f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
                 )
 
-    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
-        """(worker thread) Prefills the admitted episodes' prompts (each distinct one once, then
-        copied), appends the arrived observations, and starts all their turns."""
-        if admitted:
-            first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
-            for ep in admitted:
-                first.setdefault(tuple(ep.transcript.token_ids), ep.row)
-            rows = list(first.values())
-            self.state = self.sampler.fill(
-                self.params, self.state, rows, list(first), [True] * len(rows), self.index
-            )
+    def _admit(self, admitted: list[_Episode]) -> None:
+        """(worker thread) Puts the admitted episodes' prompts into their rows. Each distinct
+        prompt is prefilled once, in the row of its first episode, unless a row held by an earlier
+        episode starts with it (its group's); the others copy the prompt's slots from that row
+        and take its next-token logits (kept on the host while a group member waits)."""
+        now = {ep.row for ep in admitted}
+        source: dict[tuple[int, ...], int] = {}  # prompt -> a row, not admitted now, that starts with it
+        for row, ep in enumerate(self.holder):
+            if ep is not None and row not in now and _prompt(ep) in self.prompt_logits:
+                source.setdefault(_prompt(ep), row)
+        first: dict[tuple[int, ...], int] = {}  # prompt -> the row that prefills it
+        for ep in admitted:
+            if _prompt(ep) not in source:
+                first.setdefault(_prompt(ep), ep.row)
+        rows = list(first.values())
+        if rows:
+            self.state = self.sampler.fill(self.params, self.state, rows, list(first), [True] * len(rows), self.index)
             self.index[rows] = [len(p) for p in first]
-            copies = [(first[tuple(ep.transcript.token_ids)], ep.row) for ep in admitted if ep.row not in rows]
-            if copies:
-                src, dst = zip(*copies)
-                self.state = self.sampler.copy(self.state, src, dst)
-                self.index[list(dst)] = self.index[list(src)]
+            self.prompt_logits.update(zip(first, self.sampler.row_logits(self.state, rows)))
+            source.update(first)
+        shared = [ep for ep in admitted if ep.row != source[_prompt(ep)]]
+        if shared:
+            lengths = [len(_prompt(ep)) for ep in shared]
+            self.state = self.sampler.copy_prefix(
+                self.state, [source[_prompt(ep)] for ep in shared], [ep.row for ep in shared], lengths,
+                np.stack([self.prompt_logits[_prompt(ep)] for ep in shared]),
+            )
+            self.index[[ep.row for ep in shared]] = lengths
+        for ep in admitted:
+            self.prompts_waiting[_prompt(ep)] -= 1
+            if not self.prompts_waiting[_prompt(ep)]:
+                self.prompt_logits.pop(_prompt(ep), None)
+
+    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
+        """(worker thread) Puts the admitted episodes' prompts into their rows (`_admit`), appends
+        the arrived observations, and starts all their turns."""
+        if admitted:
+            self._admit(admitted)
         fits = [ep for ep in arrived if self.index[ep.row] + len(ep.pending) <= self.sampler.max_cache_len]
         for ep in arrived:
             if ep not in fits:  # no room left in the cache: the pending observation is not kept

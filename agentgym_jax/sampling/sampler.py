@@ -9,9 +9,9 @@ Two pure functions do the work, both over the `KVCache` contract (`models/cache.
   every row is done, so a batch costs as many steps as its longest turn.
 
 For continuous batching (`rollout.num_slots`): `fill_rows` appends to a few rows only (gathered,
-run, scattered back), `copy_rows` copies a row (a shared prompt), and `decode_slots` runs
-`decode` in chunks over the prefix of rows and slots in use. A `Turn` carries each row's turn
-across chunks.
+run, scattered back), `copy_prefix` copies a row's first tokens (a shared prompt), and `decode_rows` runs
+`decode` in chunks over the rows whose turn is in progress (gathered the same way) and the slots
+they hold. A `Turn` carries each row's turn across chunks.
 
 `Sampler` is the thin Python driver on top: it pads batches, chunks and the cache to shape
 buckets (so nothing recompiles inside a bucket), grows the cache bucket by bucket up to
@@ -259,45 +259,77 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     )
 
 
-def _prefix(cache: KVCache, rows: int | None, slots: int) -> KVCache:
-    """The first `rows` rows (all if None) and `slots` slots of the cache (a copy)."""
-    r = slice(None) if rows is None else slice(0, rows)
+def _prefix(cache: KVCache, slots: int) -> KVCache:
+    """The first `slots` slots of every row of the cache (a copy)."""
+    return cache.replace(k=cache.k[:, :, :, :slots], v=cache.v[:, :, :, :slots], positions=cache.positions[:, :slots])
+
+
+def _take_rows(tree: Any, rows: jax.Array) -> Any:
+    """The rows `rows [K]` of a cache, logits or turn (out-of-range entries: the last row, a copy)."""
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if x.ndim == 5 else 0, mode="clip"), tree)
+
+
+def _put_rows(tree: Any, rows: jax.Array, sub: Any) -> Any:
+    """`tree` with row `rows[i]` set to `sub`'s row i (its leading slots for a cache); out-of-range
+    entries of `rows` are dropped."""
+    def put(x, y):
+        if x.ndim == 5:  # cache keys / values [L, B, Hkv, S, D]
+            return x.at[:, rows, :, : y.shape[3]].set(y, mode="drop")
+        if x.ndim == 2 and y.shape[1] != x.shape[1]:  # cache positions [B, S]
+            return x.at[rows, : y.shape[1]].set(y, mode="drop")
+        return x.at[rows].set(y, mode="drop")
+
+    return jax.tree.map(put, tree, sub)
+
+
+def _put_window(cache: KVCache, rows: jax.Array, sub: KVCache, start: jax.Array, steps: int) -> KVCache:
+    """`cache` with slots `start[i] .. start[i] + steps` of `sub`'s row i written to row `rows[i]`:
+    all a decode chunk can have changed, so the rest of the gathered rows is not written back.
+    Slots past the sub-cache (= past `max_cache_len`, see `decode_rows`) and out-of-range rows are
+    dropped."""
+    slots = start[:, None] + jnp.arange(steps, dtype=jnp.int32)  # [K, steps]
+    read = jnp.minimum(slots, sub.max_len - 1)
+    window = lambda x: jnp.take_along_axis(x, read[None, :, None, :, None], axis=3)  # [L, K, Hkv, steps, D]
+    slots = jnp.where(slots < sub.max_len, slots, cache.max_len)  # dropped
+    put_kv = lambda x, y: x.at[:, rows[:, None], :, slots].set(y.transpose(1, 3, 0, 2, 4), mode="drop")
     return KVCache(
-        k=cache.k[:, r, :, :slots], v=cache.v[:, r, :, :slots], positions=cache.positions[r, :slots], index=cache.index[r]
+        k=put_kv(cache.k, window(sub.k)),
+        v=put_kv(cache.v, window(sub.v)),
+        positions=cache.positions.at[rows[:, None], slots].set(
+            jnp.take_along_axis(sub.positions, read, axis=1), mode="drop"
+        ),
+        index=cache.index.at[rows].set(sub.index, mode="drop"),
     )
 
 
-def _put_prefix(cache: KVCache, sub: KVCache) -> KVCache:
-    """`cache` with `sub` (a `_prefix` of it) written back in place."""
-    put = lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim)
-    return jax.tree.map(put, cache, sub)
-
-
-def decode_slots(
+def decode_rows(
     step_fn: StepFn,
     config: SamplingConfig,
     loop_params_fn: LoopParamsFn | None,
     steps: int,
     forcing: bool,
-    rows: int,
     slots: int,
     params: Params,
     cache: KVCache,
     logits: jax.Array,
     turn: Turn,
     rng: jax.Array,
+    rows: jax.Array,
 ) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
-    """`decode` of the first `rows` rows over their first `slots` slots (what the live rows hold
-    plus `steps`, bucketed), written back into the full cache: a chunk costs what rows hold, not
-    `max_cache_len` x every slot. Rows past `rows` must be inactive; outputs are [rows, ...]."""
-    head = lambda x: x[:rows]
+    """`decode` of the rows `rows [K]` only (out-of-range entries: padding, they sample nothing),
+    gathered over their first `slots` slots (what the longest holds plus `steps`, bucketed, or
+    `max_cache_len`): a chunk costs the rows whose turn is in progress times what they hold, not
+    every slot row x `max_cache_len`. Only the slots the chunk wrote go back into the cache.
+    The outputs (tokens, logprobs, raw_logprobs) are [K, steps], in the order of `rows`."""
+    real = rows < logits.shape[0]
+    sub_turn = _take_rows(turn, rows)
+    sub_turn = sub_turn._replace(active=sub_turn.active & real)
+    sub_cache = _take_rows(_prefix(cache, slots), rows)
     sub, sub_logits, sub_turn, arrays = decode(
-        step_fn, config, loop_params_fn, steps, forcing, params, _prefix(cache, rows, slots), head(logits),
-        jax.tree.map(head, turn), rng,
+        step_fn, config, loop_params_fn, steps, forcing, params, sub_cache, _take_rows(logits, rows), sub_turn, rng
     )
-    logits = jax.lax.dynamic_update_slice(logits, sub_logits, (0, 0))
-    turn = jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice(x, y, (0,) * x.ndim), turn, sub_turn)
-    return _put_prefix(cache, sub), logits, turn, arrays
+    cache = _put_window(cache, rows, sub, sub_cache.index, steps)
+    return cache, _put_rows(logits, rows, sub_logits), _put_rows(turn, rows, sub_turn), arrays
 
 
 def fill_rows(
@@ -320,27 +352,24 @@ def fill_rows(
     batch = logits.shape[0]
     # a fresh row forgets all its old tokens, also those past the `slots` written back below
     cache = cache.replace(positions=cache.positions.at[jnp.where(fresh, rows, batch)].set(-1, mode="drop"))
-    take = lambda x: jnp.take(x, rows, axis=1 if x.ndim == 5 else 0, mode="clip")
-    sub = _prefix(jax.tree.map(take, cache), None, slots)
+    sub = _take_rows(_prefix(cache, slots), rows)
     sub = sub.replace(
         positions=jnp.where(fresh[:, None], -1, sub.positions), index=jnp.where(fresh, 0, sub.index)
     )
-    sub, sub_logits = append_chunk(step_fn, params, sub, take(logits), tokens, lengths)
-    put = lambda x, y: (x.at[:, rows, :, :slots] if x.ndim == 5 else x.at[rows, :slots] if x.ndim == 2 else x.at[rows]).set(
-        y, mode="drop"
-    )
-    return jax.tree.map(put, cache, sub), logits.at[rows].set(sub_logits, mode="drop")
+    sub, sub_logits = append_chunk(step_fn, params, sub, _take_rows(logits, rows), tokens, lengths)
+    return _put_rows(cache, rows, sub), _put_rows(logits, rows, sub_logits)
 
 
-def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[KVCache, jax.Array]:
-    """Row `dst[i]` becomes a copy of row `src[i]` (cache and logits); out-of-range `dst`: dropped."""
-    take = lambda x: jnp.take(x, src, axis=1 if x.ndim == 5 else 0, mode="clip")
-    return _put_rows(cache, logits, dst, jax.tree.map(take, cache), take(logits))
-
-
-def _put_rows(cache: KVCache, logits: jax.Array, slots: jax.Array, sub: KVCache, sub_logits: jax.Array):
-    put = lambda x, y: (x.at[:, slots] if x.ndim == 5 else x.at[slots]).set(y, mode="drop")
-    return jax.tree.map(put, cache, sub), put(logits, sub_logits)
+def copy_prefix(
+    cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array, lengths: jax.Array, dst_logits: jax.Array
+) -> tuple[KVCache, jax.Array]:
+    """Row `dst[i]` becomes the first `lengths[i]` tokens of row `src[i]` (its older slots: a
+    shared prompt while the source row went on), with next-token logits `dst_logits [K, V]`;
+    out-of-range `dst`: dropped."""
+    sub = _take_rows(cache, src)
+    keep = jnp.arange(cache.max_len, dtype=jnp.int32)[None, :] < lengths[:, None]  # [K, S]
+    sub = sub.replace(positions=jnp.where(keep, sub.positions, -1), index=lengths)
+    return _put_rows(cache, dst, sub), _put_rows(logits, dst, dst_logits)
 
 
 def _jit(shardings: SamplerShardings | None, fn: Callable, ins: tuple, outs: Any, **kw) -> Callable:
@@ -464,6 +493,7 @@ class Sampler:
         loop_params_fn: LoopParamsFn | None = None,
         sampling_params_fn: SamplingParamsFn | None = None,
         fill_buckets: Sequence[int] | None = None,
+        decode_buckets: Sequence[int] | None = None,
     ):
         self.config = config
         self.shardings = shardings
@@ -484,6 +514,9 @@ class Sampler:
         self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or self.batch_buckets)
         if any(b % row_shards for b in self.fill_buckets):
             raise ValueError(f"fill_buckets {self.fill_buckets} must be multiples of the {row_shards} row shards")
+        self.decode_buckets = buckets.check_buckets("decode_buckets", decode_buckets or self.batch_buckets)
+        if any(b % row_shards for b in self.decode_buckets):
+            raise ValueError(f"decode_buckets {self.decode_buckets} must be multiples of the {row_shards} row shards")
         if self.cache_buckets[-1] != max_cache_len:
             raise ValueError(f"the last cache bucket must be max_cache_len={max_cache_len}, got {self.cache_buckets}")
         self._step = step_fn
@@ -511,14 +544,14 @@ class Sampler:
             static_argnums=(0, 1),
             donate_argnums=(3, 4),
         )
-        self._decode_slots = jit(
-            functools.partial(decode_slots, step_fn, config, loop_params_fn),
-            ("static",) * 4 + ("params", "cache", "batch", turn, "replicated"),
-            ("cache", "batch", turn, ("replicated",) * 3),
-            static_argnums=(0, 1, 2, 3),
-            donate_argnums=(5, 6),
-        )
         rows = "replicated"  # a few row indices and their chunks: not split over the batch axes
+        self._decode_rows = jit(
+            functools.partial(decode_rows, step_fn, config, loop_params_fn),
+            ("static",) * 3 + ("params", "cache", "batch", turn, "replicated", rows),
+            ("cache", "batch", turn, ("replicated",) * 3),
+            static_argnums=(0, 1, 2),
+            donate_argnums=(4, 5),
+        )
         fill = functools.partial(fill_rows, step_fn)
         if loop_params_fn is not None:  # per-layer params, like the append
             fill = lambda slots, params, *rest: fill_rows(step_fn, slots, loop_params_fn(params), *rest)  # noqa: E731
@@ -529,7 +562,10 @@ class Sampler:
             static_argnums=0,
             donate_argnums=(2, 3),
         )
-        self._copy = jit(copy_rows, ("cache", "batch", rows, rows), ("cache", "batch"), donate_argnums=(0, 1))
+        self._take_logits = jit(lambda logits, rows: _take_rows(logits, rows), ("batch", rows), "replicated")
+        self._copy_prefix = jit(
+            copy_prefix, ("cache", "batch", rows, rows, rows, rows), ("cache", "batch"), donate_argnums=(0, 1)
+        )
         # Growing pads into a bigger buffer: donation cannot alias it, `_ensure_capacity` frees the old one.
         self._grow = jit(grow_cache, ("cache", "static"), "cache", static_argnums=1)
 
@@ -735,13 +771,23 @@ class Sampler:
         """Appends `chunks[i]` to row `rows[i]` (`fresh[i]`: the row's old tokens are dropped first).
 
         `index [batch]`: each row's tokens now (host copy of `cache.index`); the caller checks
-        that every row fits in `max_cache_len`. Rows go `fill_buckets[-1]` at a time, over the
-        slot bucket their tokens need.
+        that every row fits in `max_cache_len`. A fill costs its rows bucket x chunk bucket x
+        slot bucket, so rows are grouped by the chunk bucket of their chunk and the slot bucket
+        their tokens need (a short observation is not padded to a long one's width, nor attends
+        over a long row's slots), and go at most `fill_buckets[-1]` at a time.
         """
+        kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(rows, np.int64)])
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            width = buckets.bucket(max(len(chunk), 1), self.chunk_buckets, "chunk length")
+            groups.setdefault((width, self._cache_bucket(int(kept[i]) + len(chunk))), []).append(i)
         step = self.fill_buckets[-1]
-        for start in range(0, len(rows), step):
-            part = slice(start, start + step)
-            state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
+        for members in groups.values():
+            for start in range(0, len(members), step):
+                part = members[start : start + step]
+                state = self._fill_part(
+                    params, state, [rows[i] for i in part], [chunks[i] for i in part], [fresh[i] for i in part], index
+                )
         return state
 
     def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
@@ -759,13 +805,25 @@ class Sampler:
             self.work.prompt_tokens_computed += tokens.size
         return state.replace(cache=cache, logits=logits)
 
-    def copy(self, state: SamplerState, src: Sequence[int], dst: Sequence[int]) -> SamplerState:
-        """Row `dst[i]` becomes a copy of row `src[i]` (a group's shared prompt, prefilled once)."""
+    def row_logits(self, state: SamplerState, rows: Sequence[int]) -> np.ndarray:
+        """[len(rows), V] the rows' next-token logits on the host (rows padded to a fill bucket)."""
+        k = buckets.bucket(len(rows), self.fill_buckets, "rows")
+        row_ids = np.zeros((k,), np.int32)
+        row_ids[: len(rows)] = rows
+        return np.asarray(self._take_logits(state.logits, row_ids))[: len(rows)]
+
+    def copy_prefix(
+        self, state: SamplerState, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int], logits: np.ndarray
+    ) -> SamplerState:
+        """Row `dst[i]` becomes the first `lengths[i]` tokens of row `src[i]`, with next-token
+        logits `logits[i]` (a group's prompt, copied out of a row whose episode went on)."""
         batch = state.live.shape[0]
         k = buckets.bucket(len(dst), self.batch_buckets, "rows to copy")
-        row_src, row_dst = np.zeros((k,), np.int32), np.full((k,), batch, np.int32)
-        row_src[: len(src)], row_dst[: len(dst)] = src, dst
-        cache, logits = self._copy(state.cache, state.logits, row_src, row_dst)
+        row_src, row_dst, row_len = np.zeros((k,), np.int32), np.full((k,), batch, np.int32), np.zeros((k,), np.int32)
+        row_src[: len(src)], row_dst[: len(dst)], row_len[: len(dst)] = src, dst, lengths
+        row_logits = np.zeros((k, state.logits.shape[1]), np.float32)
+        row_logits[: len(dst)] = logits
+        cache, logits = self._copy_prefix(state.cache, state.logits, row_src, row_dst, row_len, row_logits)
         return state.replace(cache=cache, logits=logits)
 
     def decode_chunk(
@@ -773,19 +831,29 @@ class Sampler:
     ) -> tuple[SamplerState, Turn, tuple[np.ndarray, ...]]:
         """Up to `steps` decode steps of every active row of `turn` (host arrays [batch]).
 
-        Runs over the first rows up to the last active one and the first slots up to the longest
-        active row (`index [batch]`: each row's tokens) plus `steps`, both bucketed: the steps
-        attend over what the rows hold, not over `max_cache_len`. Returns the state, the turn
-        (host) and the chunk's (tokens, logprobs, raw_logprobs) [rows, steps] and every row's index.
+        Runs over the active rows only, gathered into a batch of `decode_buckets` rows, and over
+        their first slots up to the longest one's tokens (`index [batch]`: each row's tokens) plus
+        `steps`, bucketed: rows between turns (waiting on their environment) or free cost
+        nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Returns
+        the state, the turn (host) and the chunk's (tokens, logprobs, raw_logprobs) [batch, steps]
+        (inactive rows: pad_id / 0) and every row's index.
         """
+        batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
-        rows = buckets.bucket(int(active.max()) + 1, self.batch_buckets, "rows")
+        k = buckets.bucket(len(active), self.decode_buckets, "rows to decode")
+        rows = np.full((k,), batch, np.int32)  # out of range: padding
+        rows[: len(active)] = active
         slots = self._cache_bucket(int(index[active].max()) + steps)
         count = turn.count
-        forcing = bool(np.any(turn.forced))
-        cache, logits, turn, arrays = self._decode_slots(
-            steps, forcing, rows, slots, params, state.cache, state.logits, turn, rng
+        forcing = bool(np.any(turn.forced[active]))
+        cache, logits, turn, arrays = self._decode_rows(
+            steps, forcing, slots, params, state.cache, state.logits, turn, rng, rows
         )
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
-        self.work.add_decode(rows, turn.count - count)
-        return state.replace(cache=cache, logits=logits), turn, (*(np.asarray(a) for a in arrays), np.asarray(cache.index))
+        self.work.add_decode(k, turn.count - count)
+        out = []
+        for a, fill in zip(arrays, (self.config.pad_id, 0, 0)):
+            full = np.full((batch, steps), fill, np.asarray(a).dtype)
+            full[active] = np.asarray(a)[: len(active)]
+            out.append(full)
+        return state.replace(cache=cache, logits=logits), turn, (*out, np.asarray(cache.index))
