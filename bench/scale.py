@@ -243,10 +243,11 @@ def slot_steps(config, model, sampler, weights, rows, chunk, resident) -> list[S
     k = min(batch, sampler.fill_buckets[-1])  # the sampler fills at most this many rows per call
     fill = (weights, cache, logits, rep((k,), jnp.int32), rep((k,), bool), rep((k, chunk), jnp.int32), rep((k,), jnp.int32))
     rng = rep((2,), jnp.uint32)
-    decode = (r.decode_chunk, False, batch, r.max_cache_len, weights, cache, logits, turn_spec(sampler, batch), rng)
+    every_row = rep((batch,), jnp.int32)  # every slot's turn in progress: the largest gather
+    decode = (r.decode_chunk, False, r.max_cache_len, weights, cache, logits, turn_spec(sampler, batch), rng, every_row)
     return [
         compile_step("fill", sampler._fill, (r.max_cache_len, *fill), resident),
-        compile_step("decode_slots", sampler._decode_slots, decode, resident),
+        compile_step("decode_rows", sampler._decode_rows, decode, resident),
     ]
 
 
@@ -321,7 +322,7 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
     compute = update_config(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
-    write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_slots)
+    write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_rows)
     weights = sampler.sampling_params(state.params)
     *_, tokens, lengths = write.args
     rows, chunk = tokens.shape
@@ -335,7 +336,8 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
     cache, logits = timed_call(write.name, weights, cache, logits, *map(put, chunks, write.args[-len(chunks):]))
     turn = Turn.start(np.ones(rows, bool), np.full(rows, config.rollout.max_tokens_per_turn, np.int32))
     turn = Turn(*map(put, turn, next(a for a in decode.args if isinstance(a, Turn))))
-    timed_call(decode.name, weights, cache, logits, turn, jax.random.PRNGKey(2))  # static arguments compiled in
+    every_row = (put(np.arange(rows, dtype=np.int32), decode.args[-1]),) if decode.name == "decode_rows" else ()
+    timed_call(decode.name, weights, cache, logits, turn, jax.random.PRNGKey(2), *every_row)  # static arguments compiled in
     del weights, cache, logits  # the rollout is over: the sampler's copy and cache go
     batch = random_batch(by_name["prepare"].args[2], model.vocab_size, config.rollout.group_size)
     rl_batch, _ = timed_call("prepare", state.params, ref_params, batch)

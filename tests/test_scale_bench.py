@@ -156,12 +156,12 @@ def test_with_slots_the_sampler_steps_are_compiled_at_the_slot_batch(scale):
     model = scale.model_config(config)
     _, steps, _, _ = scale.compile_steps(config, model, make_mesh(1, 8, 1), seq=64, chunk=16)
     by_name = {s.name: s for s in steps}
-    assert list(by_name) == ["fill", "decode_slots", "prepare", "rl_update"]
+    assert list(by_name) == ["fill", "decode_rows", "prepare", "rl_update"]
     slots, _, cache, logits, rows, fresh, tokens, lengths = by_name["fill"].args
     assert cache.k.shape == (1, 16, 2, 64, 16) and logits.shape == (16, 128) and slots == 64
     assert tokens.shape == (16, 16) and rows.shape == fresh.shape == lengths.shape == (16,)
-    steps_arg, _, batch, cache_len, *_ = by_name["decode_slots"].args
-    assert (steps_arg, batch, cache_len) == (config.rollout.decode_chunk, 16, 64)
-    for name in ("fill", "decode_slots"):
+    steps_arg, _, cache_len, *_, decoded = by_name["decode_rows"].args
+    assert (steps_arg, cache_len, decoded.shape) == (config.rollout.decode_chunk, 64, (16,))  # every slot decoding
+    for name in ("fill", "decode_rows"):
         assert by_name[name].compiled.memory_analysis().argument_size_in_bytes == scale.device_bytes(by_name[name].args)
     assert by_name["prepare"].args[2].tokens.shape == (32, 64)  # the update still trains on every episode
