@@ -87,7 +87,7 @@ def test_bad_filter_values_are_config_errors():
 
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
-              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle"))]
+              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "sql", "search"))]
 
 
 @pytest.mark.parametrize("name", RL_CONFIGS)
