@@ -62,14 +62,15 @@ def compare_dirs(
 ) -> PairedComparison:
     """Run(s) A against run(s) B, task by task; lists pair position by position (`ValueError` if
     their lengths or a pair's task ids differ)."""
-    runs_a, runs_b = ([a] if isinstance(a, (str, pathlib.Path)) else list(a)), ([b] if isinstance(b, (str, pathlib.Path)) else list(b))
+    runs_a, runs_b = _as_list(a), _as_list(b)
     if len(runs_a) != len(runs_b):
         raise ValueError(f"{len(runs_a)} runs A against {len(runs_b)} runs B: pairs need one of each")
-    if len(runs_a) == 1:
-        return compare_runs(task_rates(runs_a[0]), task_rates(runs_b[0]), num_bootstrap, seed)
-    rates_a = {(i, k): v for i, run in enumerate(runs_a) for k, v in task_rates(run).items()}
-    rates_b = {(i, k): v for i, run in enumerate(runs_b) for k, v in task_rates(run).items()}
-    return compare_runs(rates_a, rates_b, num_bootstrap, seed)
+    pooled = lambda runs: {(i, k): v for i, run in enumerate(runs) for k, v in task_rates(run).items()}  # noqa: E731
+    return compare_runs(pooled(runs_a), pooled(runs_b), num_bootstrap, seed)
+
+
+def _as_list(runs: str | pathlib.Path | Sequence[str | pathlib.Path]) -> list[str | pathlib.Path]:
+    return [runs] if isinstance(runs, (str, pathlib.Path)) else list(runs)
 
 
 def main(argv: list[str]) -> None:
