@@ -50,6 +50,21 @@ def test_torn_last_line_is_skipped_but_corruption_elsewhere_is_an_error(tmp_path
         list(read_jsonl(str(path)))
 
 
+def test_a_full_write_that_fails_midway_leaves_the_old_file_whole(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(str(path), [_trajectory(task_id=1)], append=False)
+
+    def records():
+        yield _trajectory(task_id=2)
+        raise KeyboardInterrupt  # the writer is stopped after one record
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl(str(path), records(), append=False)
+    assert [t.task_id for t in read_jsonl(str(path))] == [1]
+    write_jsonl(str(path), [_trajectory(task_id=2), _trajectory(task_id=3)], append=False)
+    assert [t.task_id for t in read_jsonl(str(path))] == [2, 3] and not (tmp_path / "t.jsonl.tmp").exists()
+
+
 def test_truncate_keeps_the_steps_before_the_restored_one_and_drops_a_torn_line(tmp_path):
     path = tmp_path / "t.jsonl"
     steps = [0, 0, 1, 1, 2, 2]  # policy_version: checkpoint at step 2, step 2 was played before a kill

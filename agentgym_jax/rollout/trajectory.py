@@ -74,24 +74,25 @@ class Trajectory:
 
 
 def write_jsonl(path: str, trajectories: Iterable[Trajectory], append: bool = True) -> None:
-    """Appends (or writes) one JSON record per line; flushed and fsynced so a kill loses nothing."""
+    """Appends (or writes) one JSON record per line; flushed and fsynced so a kill loses nothing.
+    A full write goes through a temporary file and a rename, so a reader (or a run killed
+    mid-write) sees the old file or the whole new one, never an empty or partial one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a" if append else "w", encoding="utf-8") as f:
+    target = path if append else path + ".tmp"
+    with open(target, "a" if append else "w", encoding="utf-8") as f:
         for trajectory in trajectories:
             f.write(json.dumps(trajectory.to_json(), ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    if not append:
+        os.replace(target, path)
 
 
 def truncate_jsonl(path: str, before_version: int) -> None:
     """Rewrites `path` keeping only the records with `policy_version < before_version` (what a
     run resumed at step `before_version` keeps; it replays the later steps). Atomic."""
-    if not os.path.exists(path):
-        return
-    kept = [t for t in read_jsonl(path) if t.policy_version < before_version]
-    tmp = path + ".tmp"
-    write_jsonl(tmp, kept, append=False)
-    os.replace(tmp, path)
+    if os.path.exists(path):
+        write_jsonl(path, [t for t in read_jsonl(path) if t.policy_version < before_version], append=False)
 
 
 def read_jsonl(path: str) -> Iterator[Trajectory]:
