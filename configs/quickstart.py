@@ -49,6 +49,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.compute_dtype = "float32"
     config.model.remat = "none"  # what a layer keeps for the backward: none (no remat) | full (its input) | dots
     config.model.logprob_chunk = 1024  # positions projected to the vocabulary at a time in the losses
+    # auto: the Pallas kernel where it is written for (splash attention on TPU for training rows, the
+    # Triton ragged decode kernel on GPU for decode steps), the blockwise XLA path elsewhere; or xla.
+    config.model.attention_kernel = "auto"
+    config.model.decode_kernel = "auto"
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

@@ -10,16 +10,19 @@ import pytest
 import tiny_hf
 
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
-from agentgym_jax.models.decoder import ATTENTION_BLOCK, forward, init_cache, unstack_layers
+from agentgym_jax.models.decoder import forward, init_cache, unstack_layers
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.hf_checkpoint import load_pretrained
 
 FAMILIES = sorted(tiny_hf.FAMILIES)
 SEQ = 20  # every full pass is [3, SEQ] and every cached chunk [3, CHUNK]: one compile each per family
 CHUNK = 8
-jit_forward = jax.jit(forward, static_argnames=("config", "dtype", "attention_block"))
+jit_forward = jax.jit(forward, static_argnames=("config", "dtype", "kernels"))
 # The default tile holds every test sequence in one block; 4 cuts them into several (flash attention's
 # online softmax across blocks, and queries and keys padded up to whole tiles).
-BLOCKS = [ATTENTION_BLOCK, 4]
+BLOCKS = [AttentionKernels(), AttentionKernels(block=4)]
+# ... and TPU splash attention for rows without a cache, its kernel interpreted on this CPU.
+TRAINING = [*BLOCKS, AttentionKernels(training="splash", interpret=True)]
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +48,16 @@ def right_padded(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(positions < lengths[:, None], positions, -1).astype(np.int32)
 
 
-@pytest.mark.parametrize("attention_block", BLOCKS)
+@pytest.mark.parametrize("kernels", TRAINING, ids=lambda k: f"{k.training}-block{k.block}")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_logits_match_transformers(models, family, attention_block):
+def test_padded_batch_logits_match_transformers(models, family, kernels):
     hf_model, config, params = models[family]
     rng = np.random.default_rng(0)
     lengths = np.array([SEQ, 11, 4])
     tokens = rng.integers(3, config.vocab_size, (3, SEQ)).astype(np.int32)
     tokens[np.arange(SEQ)[None] >= lengths[:, None]] = 0
     want = tiny_hf.logits(hf_model, tokens, lengths)
-    got, cache = jit_forward(params, tokens, right_padded(tokens, lengths), config=config,
-                             attention_block=attention_block)
+    got, cache = jit_forward(params, tokens, right_padded(tokens, lengths), config=config, kernels=kernels)
     assert cache is None
     got = np.asarray(got)
     assert got.dtype == np.float32 and np.isfinite(got).all()  # padded queries too
@@ -63,9 +65,9 @@ def test_padded_batch_logits_match_transformers(models, family, attention_block)
     assert rel_error(got[valid], want[valid]) <= 1e-4
 
 
-@pytest.mark.parametrize("attention_block", BLOCKS)
+@pytest.mark.parametrize("kernels", BLOCKS, ids=lambda k: f"block{k.block}")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_three_turn_cache_continuation_matches_full_pass(models, family, attention_block):
+def test_three_turn_cache_continuation_matches_full_pass(models, family, kernels):
     """Chunks of different lengths per row (right-padded) through the cache == one pass over all tokens."""
     hf_model, config, params = models[family]
     turn_lengths = np.array([[5, 3, 4], [2, 6, 1], [7, 1, 3]])  # [row, turn]
@@ -82,7 +84,7 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family, attenti
         for row, n in enumerate(turn_lengths[:, turn]):
             chunk[row, :n] = tokens[row, offsets[row] : offsets[row] + n]
             positions[row, :n] = np.arange(offsets[row], offsets[row] + n)
-        logits, cache = jit_forward(params, chunk, positions, cache, config=config, attention_block=attention_block)
+        logits, cache = jit_forward(params, chunk, positions, cache, config=config, kernels=kernels)
         for row, n in enumerate(turn_lengths[:, turn]):
             got[row, offsets[row] : offsets[row] + n] = np.asarray(logits[row, :n])
         offsets += turn_lengths[:, turn]
@@ -96,14 +98,17 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family, attenti
     assert rel_error(got[valid], want[valid]) <= 1e-4
 
 
+@pytest.mark.parametrize("decode", ["xla", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_layers_as_a_loop_match_the_scan(models, family):
+def test_layers_as_a_loop_match_the_scan(models, family, decode):
     """`unstack_layers` params (the sampler's decode loop) give the scan's logits and cache.
 
     The two forms take different attention paths (the loop writes a decode step's key into the
     stacked cache first; the scan attends to cache and new key as two blocks), so this checks the
     cache layout and write positions of both, for a padded chunk and three single-token steps.
+    The loop's decode steps also run the GPU ragged decode kernel (interpreted here).
     """
+    kernels = AttentionKernels(decode=decode, interpret=decode != "xla")
     _, config, params = models[family]
     unstacked = unstack_layers(params)
     assert "layers" not in unstacked and f"layers_{config.num_layers - 1}" in unstacked
@@ -119,7 +124,8 @@ def test_layers_as_a_loop_match_the_scan(models, family):
     caches = [init_cache(config, batch=3, max_len=2 * CHUNK)] * 2
     for tokens, positions in steps:
         (want, caches[0]), (got, caches[1]) = (
-            jit_forward(p, tokens, positions, c, config=config) for p, c in zip((params, unstacked), caches)
+            jit_forward(p, tokens, positions, c, config=config, kernels=k)
+            for p, c, k in zip((params, unstacked), caches, (AttentionKernels(), kernels))
         )
         real = positions >= 0
         assert rel_error(np.asarray(got)[real], np.asarray(want)[real]) <= 1e-5

@@ -16,10 +16,10 @@ from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train.steps import UpdateConfig
 
 MODEL = ModelConfig.small()
-# Fields that come from elsewhere: the model and its dtypes (config.model), the temperature
+# Fields that come from elsewhere: the model, its dtypes and attention kernels (config.model), the temperature
 # (config.rollout, via jobs.rl_temperature), the mesh, the token budget (config.rollout), the
 # critic's architecture (read from algo.critic_dir).
-NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "logprob_chunk", "activation_sharding",
+NOT_ALGO = {"model", "critic_model", "temperature", "compute_dtype", "remat", "logprob_chunk", "kernels", "activation_sharding",
             "grouped", "max_response_length"}
 # A valid value other than the default for every key.
 OVERRIDES = {

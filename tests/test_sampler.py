@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache, attention_mask, write_rows
 from agentgym_jax.models.hf_checkpoint import load_pretrained
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.sampling import buckets
 from agentgym_jax.sampling.config import SamplingConfig
@@ -526,11 +527,13 @@ def _three_turns(sampler: Sampler, params, prompts, chunks, seed: int):
     return state, turns
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_sharded_multi_turn_sampling_equals_one_device(qwen2, temperature):
+@pytest.mark.parametrize("temperature, decode", [(0.0, "xla"), (1.0, "xla"), (0.0, "triton")],
+                         ids=["greedy", "seeded", "greedy-triton"])
+def test_sharded_multi_turn_sampling_equals_one_device(qwen2, temperature, decode):
     """Three turns with environment chunks between them, the cache growing through three buckets:
     on a 2x2x2 mesh (rows over data x fsdp, key/value heads over tensor) the same tokens and
-    log-probs as on one device, greedy and seeded (temperature 1, top-p 0.9)."""
+    log-probs as on one device, greedy and seeded (temperature 1, top-p 0.9); and greedy with the
+    decode steps on the GPU ragged decode kernel (interpreted here), per shard."""
     _, config, params = qwen2
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 12, 3, 9, 7)]
@@ -542,7 +545,8 @@ def test_sharded_multi_turn_sampling_equals_one_device(qwen2, temperature):
 
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     shardings = SamplerShardings.for_mesh(mesh, params, config)
-    sharded = Sampler.for_decoder(config, sampling, shardings=shardings, **kw)
+    kernels = AttentionKernels(decode=decode, interpret=decode != "xla")
+    sharded = Sampler.for_decoder(config, sampling, shardings=shardings, kernels=kernels, **kw)
     state, got = _three_turns(sharded, jax.device_put(params, shardings.params), prompts, chunks, seed=11)
     assert state.cache.max_len == 96  # it grew 16 -> 48 -> 96 (each row holding its own tokens only)
     kv = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))

@@ -10,6 +10,7 @@ reference update (`single_device_update`). XLA optimisations are off for this mo
 comparison is with numpy or with a step compiled the same way.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -23,6 +24,7 @@ from test_sharding import assert_close
 
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import forward, init_params
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train import steps
@@ -197,13 +199,18 @@ def test_later_steps_of_the_same_shape_compile_nothing(single_device_update):
     assert int(state.step) == 12
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
-def test_sharded_update_matches_single_device_and_compiles_once(shape, single_device_update):
+SPLASH = AttentionKernels(training="splash", interpret=True)  # TPU splash attention, interpreted here
+
+
+@pytest.mark.parametrize("shape, kernels", [((2, 2, 2), AttentionKernels()), ((1, 2, 4), AttentionKernels()),
+                                            ((2, 2, 2), SPLASH)], ids=["2x2x2", "1x2x4", "2x2x2-splash"])
+def test_sharded_update_matches_single_device_and_compiles_once(shape, kernels, single_device_update):
+    """The XLA attention path, and splash attention per shard, against one device's XLA path."""
     want_state, want_prep, want_metrics = single_device_update
     mesh = make_mesh(*shape)
     state = _state()
     shardings = steps.train_state_shardings(state, mesh)
-    fns = steps.make_step_fns(EPOCHS, mesh, shardings)
+    fns = steps.make_step_fns(dataclasses.replace(EPOCHS, kernels=kernels), mesh, shardings)
     state = jax.device_put(state, shardings)
     rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch(EPOCH_ROWS))
     state, metrics = fns.rl_update(state, rl_batch)

@@ -39,6 +39,7 @@ from agentgym_jax.models import decoder, hf_checkpoint
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
@@ -288,6 +289,14 @@ def make_engine(
     return RolloutEngine(make_sampler(config, model, framing, rollout), framing, make_pool(config.env, urls), info, rollout)
 
 
+def attention_kernels(config: ml_collections.ConfigDict) -> AttentionKernels:
+    """`config.model.attention_kernel` (training rows) and `decode_kernel` resolved for this backend."""
+    try:
+        return AttentionKernels.for_backend(config.model.attention_kernel, config.model.decode_kernel)
+    except ValueError as e:
+        raise ConfigError(f"config.model: {e}") from e
+
+
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
     """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
@@ -295,7 +304,7 @@ def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing:
     sampling = rollout.sampling_config(framing)
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
-        dtype=config.model.compute_dtype,
+        dtype=config.model.compute_dtype, kernels=attention_kernels(config),
     )
 
 

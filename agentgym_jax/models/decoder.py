@@ -16,7 +16,8 @@ Parameter pytree (layer parameters carry a leading `[layers]` axis):
 Dtype policy: parameters are stored in `param_dtype` (float32 or bfloat16); matmuls run in the
 compute `dtype`; norms, softmax and logits are computed in float32.
 Memory policy: a chunk of more than one token attends blockwise (`flash_attention`: online
-softmax over key blocks, never the whole [heads, seq, keys] score matrix, forward or backward);
+softmax over key blocks, never the whole [heads, seq, keys] score matrix, forward or backward;
+on TPU, training rows by splash attention, see `models.kernels`);
 `remat` picks what each layer keeps for the backward pass (`REMAT_POLICIES`).
 """
 
@@ -33,11 +34,11 @@ import numpy as np
 
 from agentgym_jax.models.cache import KVCache, attention_mask, write_positions, write_rows
 from agentgym_jax.models.config import ModelConfig, RopeConfig
+from agentgym_jax.models.kernels import ATTENTION_BLOCK, AttentionKernels, ragged_decode_attention, splash_attention
 
 Params = dict[str, Any]
 _INIT = nn.initializers.normal(0.02)  # Hugging Face's initializer_range
 _MASKED = float(np.finfo(np.float32).min)  # finite: a query with no visible key stays finite
-ATTENTION_BLOCK = 512  # query and key positions per attention block (the score tile is block x block)
 # What a layer keeps for its backward pass: everything ("none": no remat), only its input, the
 # residual stream ("full"), or also the outputs of its projections, i.e. dots without batch
 # dimensions but not attention's batched score dots ("dots").
@@ -327,7 +328,8 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     layer: int | None = None
-    attention_block: int = ATTENTION_BLOCK
+    kernels: AttentionKernels = AttentionKernels()
+    activation_sharding: jax.sharding.Sharding | None = None  # its mesh runs the Pallas kernels per shard
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
@@ -343,8 +345,13 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # head-major, like the cache
-        blocks = dict(block_q=self.attention_block, block_k=self.attention_block)
-        if layer_cache is None:
+        blocks = dict(block_q=self.kernels.block, block_k=self.kernels.block)
+        sharded = self.activation_sharding
+        pallas = dict(interpret=self.kernels.interpret, mesh=sharded and sharded.mesh,
+                      batch_axes=sharded and sharded.spec[0])
+        if layer_cache is None and self.kernels.training == "splash":
+            out, new_kv = splash_attention(q, k, v, positions, block=self.kernels.block, **pallas), None
+        elif layer_cache is None:
             out = flash_attention(q, k, v, positions, positions, **blocks)
             new_kv = None
         elif self.layer is None and x.shape[1] == 1:
@@ -364,7 +371,9 @@ class Attention(nn.Module):
             cache_k, cache_v = written if self.layer is None else (buf[self.layer] for buf in written)
             cache_k, cache_v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
             key_positions = write_positions(cache_positions, positions.astype(jnp.int32), index)
-            if x.shape[1] == 1:
+            if x.shape[1] == 1 and self.kernels.decode == "triton":  # the row's slots 0 .. index
+                out = ragged_decode_attention(q, cache_k, cache_v, index + 1, **pallas)
+            elif x.shape[1] == 1:
                 out = grouped_attention(q, ((cache_k, cache_v, attention_mask(positions, key_positions)),))
             else:
                 out = flash_attention(q, cache_k, cache_v, positions, key_positions, **blocks)
@@ -394,12 +403,13 @@ class Block(nn.Module):
     param_dtype: jnp.dtype
     activation_sharding: jax.sharding.Sharding | None = None
     layer: int | None = None  # set when the layers run as a Python loop (see `Attention`)
-    attention_block: int = ATTENTION_BLOCK
+    kernels: AttentionKernels = AttentionKernels()
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, new_kv = Attention(c, layer=self.layer, attention_block=self.attention_block, name="attn", **kw)(
+        h, new_kv = Attention(c, layer=self.layer, kernels=self.kernels, activation_sharding=self.activation_sharding,
+                              name="attn", **kw)(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, positions,
             cache_positions, index,
         )
@@ -426,7 +436,7 @@ class Decoder(nn.Module):
     activation_sharding: jax.sharding.Sharding | None = None
     scan_layers: bool = True
     project: bool = True
-    attention_block: int = ATTENTION_BLOCK
+    kernels: AttentionKernels = AttentionKernels()
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None):
@@ -447,7 +457,7 @@ class Decoder(nn.Module):
         policy = remat_name(self.remat)
         block = Block if policy == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[policy])
         block_args = (c, self.dtype, self.param_dtype, self.activation_sharding)
-        block_kw = dict(attention_block=self.attention_block)
+        block_kw = dict(kernels=self.kernels)
         # Under the scan the cache is a read-only input (each layer reads its slice) and only the
         # chunk's new keys and values come out, [layers, batch, kv_heads, seq, head_dim]: a step
         # never copies the cache through the scan; they go in below with one in-place update.
@@ -549,7 +559,7 @@ def forward(
     remat: str | bool = "none",
     return_hidden: bool = False,
     activation_sharding: jax.sharding.Sharding | None = None,
-    attention_block: int = ATTENTION_BLOCK,
+    kernels: AttentionKernels = AttentionKernels(),
 ):
     """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
 
@@ -558,13 +568,13 @@ def forward(
     tokens (positions >= 0). Without one, attention stays within the given rows (training).
     `dtype` is the compute dtype (default: the parameters' dtype); `remat` is what each layer keeps
     for the backward pass (a key of `REMAT_POLICIES`); `activation_sharding` pins the residual stream
-    [batch, seq, hidden] (see `parallel.partition.activation_sharding`); `attention_block` is the
-    tile size of `flash_attention`. `params` may have their layers stacked (`layers`, as
-    initialised and loaded) or split by `unstack_layers`.
+    [batch, seq, hidden] (see `parallel.partition.activation_sharding`); `kernels` picks the
+    attention implementations (`models.kernels`; the XLA paths by default). `params` may have
+    their layers stacked (`layers`, as initialised and loaded) or split by `unstack_layers`.
     Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
     [batch, seq, hidden] (input of `value_head`) when `return_hidden`.
     """
-    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, attention_block, True, config).apply(
+    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, kernels, True, config).apply(
         {"params": _backbone(params)}, tokens, positions, cache
     )
     return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
@@ -579,11 +589,11 @@ def hidden_states(
     dtype: jnp.dtype | None = None,
     remat: str | bool = "none",
     activation_sharding: jax.sharding.Sharding | None = None,
-    attention_block: int = ATTENTION_BLOCK,
+    kernels: AttentionKernels = AttentionKernels(),
 ) -> jax.Array:
     """The final (normed) hidden states [batch, seq, hidden] of `forward` without a cache, in the
     compute dtype, without projecting to the vocabulary (see `output_head`)."""
-    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, attention_block, False, config).apply(
+    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, kernels, False, config).apply(
         {"params": _backbone(params)}, tokens, positions, None
     )
     return hidden
@@ -598,9 +608,9 @@ def _backbone(params: Params) -> Params:
     return {name: p for name, p in params.items() if name != "value_head"}
 
 
-def _decoder(params, dtype, remat, activation_sharding, attention_block, project, config) -> Decoder:
+def _decoder(params, dtype, remat, activation_sharding, kernels, project, config) -> Decoder:
     return Decoder(
         config, dtype=dtype or params["embed"]["embedding"].dtype, remat=remat,
         activation_sharding=activation_sharding, scan_layers="layers" in params, project=project,
-        attention_block=attention_block,
+        kernels=kernels,
     )

@@ -36,6 +36,7 @@ import numpy as np
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel import partition
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.sampling import buckets
@@ -579,16 +580,20 @@ class Sampler:
         dtype: jnp.dtype | None = None,
         cache_dtype: jnp.dtype | None = None,
         shardings: SamplerShardings | None = None,
+        kernels: AttentionKernels = AttentionKernels(),
         **buckets_kw,
     ) -> Sampler:
-        """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype).
+        """A sampler over `models.decoder` (compute `dtype`: default the parameters' dtype;
+        attention implementations: `kernels`).
 
         The KV cache is kept in `cache_dtype`, by default the compute dtype (float32 without one).
         With a compute `dtype`, `sampling_params` gives the policy's weights (no value head) in
         that dtype: a copy when they are stored in another one (float32 master weights), the same
         arrays otherwise.
         """
-        step_fn = decoder_step(model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None)
+        step_fn = decoder_step(
+            model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None, kernels=kernels
+        )
         cache_dtype = cache_dtype or dtype or jnp.float32
         init_cache_fn = functools.partial(decoder.init_cache, model_config, dtype=cache_dtype)
         policy_fn = None if dtype is None else _policy_weights_fn(jnp.dtype(dtype), shardings)
@@ -606,6 +611,7 @@ class Sampler:
         *,
         max_cache_len: int,
         dtype: jnp.dtype,
+        kernels: AttentionKernels = AttentionKernels(),
         **buckets_kw,
     ) -> Sampler:
         """`for_decoder` laid out on `mesh` the project's way (`SamplerShardings.for_mesh`), with
@@ -614,7 +620,7 @@ class Sampler:
         weights = jax.eval_shape(functools.partial(decoder.init_params, model_config, param_dtype=dtype), jax.random.key(0))
         return cls.for_decoder(
             model_config, config, max_cache_len=max_cache_len, dtype=dtype, cache_dtype=dtype,
-            shardings=SamplerShardings.for_mesh(mesh, weights, model_config), **buckets_kw,
+            shardings=SamplerShardings.for_mesh(mesh, weights, model_config), kernels=kernels, **buckets_kw,
         )
 
     def sampling_params(self, params: Params) -> Params:

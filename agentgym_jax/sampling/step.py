@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from agentgym_jax.models import decoder
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.kernels import AttentionKernels
 
 Params = Any
 # (params, tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache advanced by T)
@@ -42,10 +43,10 @@ def from_forward(forward_fn: ForwardFn) -> StepFn:
     return functools.partial(_forward_step, forward_fn)
 
 
-def _decoder_step(config: ModelConfig, dtype, activation_sharding, params, tokens, positions, cache, last):
+def _decoder_step(config: ModelConfig, dtype, activation_sharding, kernels, params, tokens, positions, cache, last):
     _, cache, hidden = decoder.forward(  # the unused full logits are removed by XLA's dead-code pass
         params, tokens, positions, cache, config=config, dtype=dtype,
-        activation_sharding=activation_sharding, return_hidden=True,
+        activation_sharding=activation_sharding, return_hidden=True, kernels=kernels,
     )
     hidden = _at(hidden, last)  # [B, hidden], after the final norm
     head = params["embed"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]
@@ -58,6 +59,7 @@ def decoder_step(
     *,
     dtype: jnp.dtype | None = None,
     activation_sharding: jax.sharding.Sharding | None = None,
+    kernels: AttentionKernels = AttentionKernels(),
 ) -> StepFn:
     """The step of `models.decoder` (compute `dtype`: default the parameters' dtype)."""
-    return functools.partial(_decoder_step, config, dtype, activation_sharding)
+    return functools.partial(_decoder_step, config, dtype, activation_sharding, kernels)

@@ -185,6 +185,7 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
             compute_dtype=config.model.compute_dtype,
             remat=config.model.remat,
             logprob_chunk=config.model.logprob_chunk,
+            kernels=setup.attention_kernels(config),
         )
     except ValueError as e:
         raise ConfigError(f"config.algo: {e}") from e

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, value_head
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
@@ -98,6 +99,7 @@ class UpdateConfig:
     compute_dtype: str | None = None  # None: the parameters' dtype
     remat: str | bool = "none"  # what each layer keeps for the backward: a key of decoder.REMAT_POLICIES
     logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
+    kernels: AttentionKernels = AttentionKernels()  # attention implementations (`models.kernels`)
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
 
@@ -203,7 +205,7 @@ def token_logprobs(
         activations = NamedSharding(activations.mesh, spec)
     hidden = hidden_states(
         params, tokens, positions, config=config.model, dtype=dtype, remat=config.remat,
-        activation_sharding=activations,
+        activation_sharding=activations, kernels=config.kernels,
     )  # [batch, seq, hidden]
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
     logp, entropy = chunked_logprobs(
@@ -228,7 +230,7 @@ def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, c
         spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
     hidden = hidden_states(critic_params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
-                           activation_sharding=activations)
+                           activation_sharding=activations, kernels=config.kernels)
     return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
 
 
