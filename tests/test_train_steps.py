@@ -159,6 +159,23 @@ def test_non_finite_loss_is_skipped_and_counted():
     assert float(metrics["skipped_update"]) == 3
 
 
+def test_a_mini_batch_that_trains_no_token_leaves_params_and_optimizer_state_alone():
+    """The optimizer has momentum after a first update; a batch whose rows are all masked out
+    (a step whose groups all scored alike) must not move the params along it."""
+    fns = step_fns(EPOCHS)
+    state, _ = fns.rl_update(_state(), fns.prepare(_state().params, _state().params, _batch())[0])
+    assert float(jnp.abs(state.opt_state[0].trace["embed"]["embedding"]).max()) > 0  # momentum to drift on
+    rl_batch, _ = fns.prepare(state.params, state.params, _batch(seed=1))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.step))
+    after, metrics = fns.rl_update(state, rl_batch.replace(loss_mask=jnp.zeros_like(rl_batch.loss_mask)))
+    jax.tree.map(np.testing.assert_array_equal, (after.params, after.opt_state, after.step), before)
+    assert float(metrics["empty_update"]) == 6 and float(metrics["skipped_update"]) == 0
+    # Rows masked out of one mini-batch only: that mini-batch's updates are left out, once per epoch.
+    rows = np.arange(rl_batch.loss_mask.shape[0])
+    state, metrics = fns.rl_update(_state(), rl_batch.replace(loss_mask=rl_batch.loss_mask * (rows[:, None] < 1)))
+    assert 0 < float(metrics["empty_update"]) < 6 and int(state.step) == 6 - float(metrics["empty_update"])
+
+
 def test_updates_raise_the_likelihood_of_positive_advantage_rows():
     batch = _batch(rewards=[1, 0, 0, 0, 1, 0, 0, 0])
     fns = step_fns(EPOCHS)

@@ -40,20 +40,23 @@ class TrainState:
             tx=tx,
         )
 
-    def apply_gradients(self, grads: Any, loss: jax.Array | None = None) -> TrainState:
-        """One optimizer update, or none when `grads` (or `loss`) holds a non-finite value."""
+    def apply_gradients(self, grads: Any, loss: jax.Array | None = None, empty: jax.Array | bool = False) -> TrainState:
+        """One optimizer update, or none when `grads` (or `loss`) holds a non-finite value (counted
+        in `skipped_updates`) or when `empty` (the batch trained no token): a zero gradient would
+        still move the parameters along the optimizer's momentum and weight decay."""
         checked = jax.tree.leaves(grads) + ([loss] if loss is not None else [])
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in checked]))
+        applied = finite & ~jnp.asarray(empty)
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         # float32 gradients would promote bfloat16 moments; each state keeps its dtype (and a
         # scanned update its carry type). `apply_updates` casts to the parameters' dtype.
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, self.opt_state)
         params = optax.apply_updates(self.params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        keep = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
         return self.replace(
             params=jax.tree.map(keep, params, self.params),
             opt_state=jax.tree.map(keep, opt_state, self.opt_state),
-            step=self.step + finite.astype(jnp.int32),
+            step=self.step + applied.astype(jnp.int32),
             skipped_updates=self.skipped_updates + (~finite).astype(jnp.int32),
         )
 

@@ -448,8 +448,10 @@ def accumulated_update(
     grads, metrics = jax.lax.scan(micro_step, zeros, (micro, weights))
     metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     metrics["grad_norm"] = optax.global_norm(grads)
-    new_state = state.apply_gradients(grads, loss=metrics["loss"])
+    empty = jnp.sum(micro.loss_mask) == 0  # e.g. a mini-batch of rows the batch filter masked out
+    new_state = state.apply_gradients(grads, loss=metrics["loss"], empty=empty)
     metrics["skipped_update"] = (new_state.skipped_updates - state.skipped_updates).astype(jnp.float32)
+    metrics["empty_update"] = empty.astype(jnp.float32)
     return new_state, metrics
 
 
@@ -478,7 +480,8 @@ def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: Update
 
     state, metrics = jax.lax.scan(epoch, state, None, length=config.ppo_epochs)
     metrics = jax.tree.map(jnp.mean, metrics)
-    metrics["skipped_update"] = metrics["skipped_update"] * config.ppo_epochs * config.num_minibatches
+    for key in ("skipped_update", "empty_update"):  # counts over the step's updates, not means
+        metrics[key] = metrics[key] * config.ppo_epochs * config.num_minibatches
     return state, metrics
 
 
