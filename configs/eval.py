@@ -48,6 +48,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.hf_dir = ""  # set by policy="hf:<folder>"
     config.model.param_dtype = "float32"
     config.model.compute_dtype = "float32"
+    config.model.attention_kernel = "auto"  # as in configs/quickstart.py: Pallas kernels where written for, else xla
+    config.model.decode_kernel = "auto"
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
