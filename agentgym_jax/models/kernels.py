@@ -123,7 +123,7 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    batch, seq, heads, head_dim = q.shape
+    _, seq, _, head_dim = q.shape
     tile = max(_LANES, min(block, -(-seq // _LANES) * _LANES) // _LANES * _LANES)
     padded = -(-seq // tile) * tile
     segments = (positions >= 0).astype(jnp.int32)
