@@ -35,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, value_head
+from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, DISCOUNTS, compute_advantages, estimator_hparams
@@ -198,15 +198,7 @@ def token_logprobs(
     hidden states; the vocabulary projection, log-softmax and gather then run `logprob_chunk`
     positions at a time (`chunked_logprobs`), so the [batch, seq, vocab] logits are never held.
     """
-    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
-    activations = config.activation_sharding
-    if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
-        spec = fit_spec(activations.spec, (*tokens.shape, config.model.hidden_size), activations.mesh)
-        activations = NamedSharding(activations.mesh, spec)
-    hidden = hidden_states(
-        params, tokens, positions, config=config.model, dtype=dtype, remat=config.remat,
-        activation_sharding=activations, kernels=config.kernels,
-    )  # [batch, seq, hidden]
+    hidden = _trunk(params, tokens, positions, config, config.model)  # [batch, seq, hidden]
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
     logp, entropy = chunked_logprobs(
         hidden, output_head(params, config.model), targets, config.logprob_chunk, temperature
@@ -223,15 +215,20 @@ def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, c
     """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
     value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
     left out by XLA)."""
-    model = config.critic_model or config.model
+    hidden = _trunk(critic_params, tokens, positions, config, config.critic_model or config.model)
+    return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+
+
+def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig, model: ModelConfig) -> jax.Array:
+    """`model`'s final hidden states [batch, seq, hidden] in the update's compute dtype, remat,
+    attention kernels and activation sharding."""
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
-    if activations is not None:
+    if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
         spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
-    hidden = hidden_states(critic_params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
-                           activation_sharding=activations, kernels=config.kernels)
-    return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+    return hidden_states(params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
+                         activation_sharding=activations, kernels=config.kernels)
 
 
 def chunked_logprobs(
