@@ -26,7 +26,10 @@ per-device argument, output, aliased (donated) and temporary bytes from
 `prepare`, the reference during the update), their sum (`peak`), the compile time, and that peak
 as a share of the HBM of an H100 80 GB, an H200 141 GB and a TPU v5p chip (95 GB). A device fits
 when the peak is at most 90% of its HBM (the 10% headroom covers what XLA's CPU buffer
-assignment leaves out, see bench/README.md). Last line:
+assignment leaves out, see bench/README.md). With a 16-bit KV cache, compiled on the CPU, the
+sampler's steps count the temp of the same step over a float32 cache: the CPU has no bfloat16
+scatter and converts the whole cache to float32 around each write, which an accelerator does
+not (`float32_cache_twins`); `cpu_temp` is the as-compiled temp. Last line:
 `summary: config=<name> model=<shape> seq=<max tokens> max_device_gib=<x> fits_h100_80g=<0|1>`.
 
 `--run` then allocates random weights at the shape on the mesh's devices, runs each compiled
@@ -117,6 +120,7 @@ class Step(NamedTuple):
     args: tuple  # jax.ShapeDtypeStruct pytrees, with shardings
     resident: Any  # pytree of ShapeDtypeStructs live on the devices during the step
     compile_s: float
+    temp_from: Any = None  # the compiled step whose temp stands for this one's (see `float32_cache_twins`)
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -159,8 +163,13 @@ def compile_step(name: str, fn: Any, args: tuple, resident: Any) -> Step:
     return Step(name, compiled, args, resident, time.perf_counter() - start)
 
 
-def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: jax.sharding.Mesh, seq: int, chunk: int):
-    """The four steps of an RL step at the config's shape, compiled for `mesh` (see the docstring)."""
+def compile_steps(
+    config: ml_collections.ConfigDict, model: ModelConfig, mesh: jax.sharding.Mesh, seq: int, chunk: int,
+    cpu_proxy: bool = False,
+):
+    """The four steps of an RL step at the config's shape, compiled for `mesh` (see the docstring);
+    with `cpu_proxy` (compiling on the CPU for an accelerator) the sampler's steps carry the temp
+    of their float32-cache twins (`float32_cache_twins`)."""
     updates = update_config(config, model)
     param_dtype = jnp.dtype(config.model.param_dtype)
     tx = make_optimizer(optim_config(config.optim, config.train.steps))
@@ -194,12 +203,32 @@ def compile_steps(config: ml_collections.ConfigDict, model: ModelConfig, mesh: j
     opt = (state.opt_state, state.step, state.rng, state.skipped_updates)
     copied = any(w.dtype != p.dtype for w, p in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params)))
     beside_sampler = (state if copied else opt, ref_params)  # without a copy the sampler reads the state's params
-    sampling_steps = (slot_steps if r.num_slots else turn_steps)(config, model, sampler, weights, rows, chunk, beside_sampler)
+    engine_steps = slot_steps if r.num_slots else turn_steps
+    sampling_steps = engine_steps(config, model, sampler, weights, rows, chunk, beside_sampler)
+    cache_dtype = jnp.dtype(config.model.compute_dtype)
+    if cpu_proxy and jnp.issubdtype(cache_dtype, jnp.floating) and cache_dtype.itemsize < 4:
+        twin = Sampler.sharded_decoder(model, sampling, mesh, max_cache_len=r.max_cache_len,
+                                       dtype=config.model.compute_dtype, cache_dtype=jnp.float32)
+        twins = engine_steps(config, model, twin, weights, rows, chunk, beside_sampler)
+        sampling_steps = float32_cache_twins(sampling_steps, twins)
     return sampler, [
         *sampling_steps,
         compile_step("prepare", step_fns.prepare, (state.params, ref_params, batch), opt),
         compile_step("rl_update", step_fns.rl_update, (state, rl_batch), ref_params),
     ], init_state, state_shardings
+
+
+def float32_cache_twins(steps: list[Step], twins: list[Step]) -> list[Step]:
+    """`steps` (a 16-bit KV cache) with the temp of `twins`, the same steps over a float32 cache.
+
+    XLA's CPU backend has no bfloat16 scatter: its `float-normalization-bf16` pass converts the
+    whole stacked cache to float32 around every per-row cache write and back, copies worth twice
+    the cache per write that a GPU or TPU does not make (their float support lists scatter as
+    data movement: it writes bfloat16 in place). Over a float32 cache the same steps compile with
+    no conversion, and their temporaries bound the 16-bit steps' (the same arrays, with the
+    cache's per-layer reads converted to the compute dtype on top); the table prints both.
+    """
+    return [step._replace(temp_from=twin.compiled) for step, twin in zip(steps, twins, strict=True)]
 
 
 def sampler_arrays(sampler: Sampler, model: ModelConfig, batch: int, max_len: int):
@@ -258,17 +287,18 @@ def peak_gib(step: Step) -> dict[str, float]:
         "args": m.argument_size_in_bytes,
         "outputs": m.output_size_in_bytes,
         "aliased": -m.alias_size_in_bytes,  # donated inputs reused as outputs are counted once
-        "temp": m.temp_size_in_bytes,
+        "temp": (step.temp_from or step.compiled).memory_analysis().temp_size_in_bytes,
         "resident": device_bytes(step.resident),
     }
     gib = {k: v / GIB for k, v in parts.items()}
     gib["peak"] = sum(gib.values())
+    gib["cpu_temp"] = m.temp_size_in_bytes / GIB  # as compiled, with the CPU's float32 conversions
     return gib
 
 
 def print_table(steps: list[Step]) -> float:
     """The per-step table; returns the largest peak (GiB per device)."""
-    cols = ["args", "outputs", "aliased", "temp", "resident", "peak"]
+    cols = ["args", "outputs", "aliased", "temp", "resident", "peak", "cpu_temp"]
     hbm = [f"{name} ({gib:.0f} GiB)" for name, gib in HBM_GIB.items()]
     print("| step | " + " | ".join(f"{c} GiB" for c in cols) + " | compile s | " + " | ".join(hbm) + " |")
     print("| --- |" + " ---: |" * (len(cols) + 1 + len(hbm)))
@@ -366,7 +396,8 @@ def main(opts: Flags, argv: list[str]) -> None:
         f"rows={config.rollout.batch_tasks * config.rollout.group_size} seq={seq} "
         f"cache={config.rollout.max_cache_len} chunk={opts.chunk.value} on {devices[0].platform}\n"
     )
-    sampler, steps, init_state, state_shardings = compile_steps(config, model, mesh, seq, opts.chunk.value)
+    cpu_proxy = devices[0].platform == "cpu"
+    sampler, steps, init_state, state_shardings = compile_steps(config, model, mesh, seq, opts.chunk.value, cpu_proxy)
     largest = print_table(steps)
     if opts.run.value:
         run_steps(config, model, mesh, sampler, steps, init_state, state_shardings)

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -120,6 +121,33 @@ def test_compiled_memory_matches_the_sharded_arrays(scale):
     assert analysis.alias_size_in_bytes >= scale.device_bytes(state.params) + scale.device_bytes(state.opt_state)
     assert scale.device_bytes(rl_batch.tokens) == 8 * 64 * 4 // 8
     assert scale.device_bytes(by_name["rl_update"].resident) == scale.device_bytes(by_name["prepare"].args[1])  # the reference
+
+
+@pytest.mark.slow
+def test_a_bfloat16_cache_takes_its_temp_from_the_float32_cache_twin(scale):
+    """On the CPU a bfloat16 cache write is converted to float32 and back (no bfloat16 scatter):
+    the as-compiled temp of the sampler's steps holds float32 copies of the stacked cache (more
+    than the cache's own bytes on top), which the float32-cache twin's temp, the one the peak
+    counts, does not."""
+    config = tiny_config()
+    config.model.compute_dtype = "bfloat16"
+    config.model.num_layers = 2  # the writes go into the stacked cache of several layers
+    config.rollout.max_cache_len = 2048  # the cache, not the tiny model, is what the temps hold
+    model = scale.model_config(config)
+    _, steps, _, _ = scale.compile_steps(config, model, make_mesh(1, 8, 1), seq=64, chunk=16, cpu_proxy=True)
+    by_name = {s.name: s for s in steps}
+    cache = by_name["append"].args[1]
+    assert cache.k.dtype == jnp.bfloat16
+    for name in ("append", "decode"):
+        step = by_name[name]
+        assert step.temp_from is not None
+        own, twin = (c.memory_analysis().temp_size_in_bytes for c in (step.compiled, step.temp_from))
+        assert own >= twin + scale.device_bytes((cache.k, cache.v))  # the conversions: more than the cache again
+        gib = scale.peak_gib(step)
+        assert gib["temp"] == twin / scale.GIB and gib["cpu_temp"] == own / scale.GIB
+    assert by_name["prepare"].temp_from is None and by_name["rl_update"].temp_from is None
+    _, plain, _, _ = scale.compile_steps(config, model, make_mesh(1, 8, 1), seq=64, chunk=16)
+    assert all(step.temp_from is None for step in plain)  # on the accelerator itself: its own numbers
 
 
 @pytest.mark.slow

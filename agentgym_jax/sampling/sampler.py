@@ -611,15 +611,17 @@ class Sampler:
         *,
         max_cache_len: int,
         dtype: jnp.dtype,
+        cache_dtype: jnp.dtype | None = None,
         kernels: AttentionKernels = AttentionKernels(),
         **buckets_kw,
     ) -> Sampler:
         """`for_decoder` laid out on `mesh` the project's way (`SamplerShardings.for_mesh`), with
-        its weights and KV cache in the compute `dtype`: what a job samples with."""
+        its weights in the compute `dtype` and its KV cache in `cache_dtype` (default: the compute
+        dtype): what a job samples with."""
         dtype = jnp.dtype(dtype)
         weights = jax.eval_shape(functools.partial(decoder.init_params, model_config, param_dtype=dtype), jax.random.key(0))
         return cls.for_decoder(
-            model_config, config, max_cache_len=max_cache_len, dtype=dtype, cache_dtype=dtype,
+            model_config, config, max_cache_len=max_cache_len, dtype=dtype, cache_dtype=cache_dtype or dtype,
             shardings=SamplerShardings.for_mesh(mesh, weights, model_config), kernels=kernels, **buckets_kw,
         )
 
