@@ -64,4 +64,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.eval.num_tasks = 64  # at least 50 held-out tasks (maze has 50: all of them)
     config.sft.epochs = recipe["sft_epochs"]
     config.algo.dynamic_sampling = True
+    # Episodes end anywhere from a few turns to the horizon: 4 micro-batches of like lengths, each
+    # run at the shortest of the batch's length, its half or its quarter that holds it (exact).
+    config.algo.num_microbatches = 4
+    config.algo.length_buckets = 3
     return config

@@ -96,6 +96,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.ppo_epochs = 2  # passes over each rollout batch
     config.algo.num_minibatches = 2  # optimizer updates per epoch
     config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch
+    config.algo.length_buckets = 1  # > 1: micro-batches grouped by length, each run at the shortest of
+    #   this many lengths (the batch's, its halvings) that holds it; exact, fewer padded positions
     config.algo.policy_loss = "ppo"  # ppo (per-token ratio) | gspo (per-sequence ratio)
     config.algo.clip_eps_low = 0.2  # ratio clipped to [1 - low, 1 + high]
     config.algo.clip_eps_high = 0.2  # DAPO's clip-higher: 0.28

@@ -119,6 +119,75 @@ def test_micro_batch_accumulation_gives_the_full_batch_gradient(agg_mode):
     np.testing.assert_allclose(metrics_a["grad_norm"], metrics_b["grad_norm"], rtol=1e-4)
 
 
+def test_length_buckets_are_the_sequence_and_its_halvings():
+    assert steps.length_buckets(3072, 4) == (3072, 1536, 768, 384)
+    assert steps.length_buckets(128, 4) == (128, 64)  # never below one multiple
+    assert steps.length_buckets(3072, 1) == (3072,)
+    with pytest.raises(ValueError, match="length_buckets must be >= 1, got 0"):
+        steps.UpdateConfig(model=MODEL, length_buckets=0)
+
+
+def _ragged_batch(rows: int, seq: int, lengths: np.ndarray) -> TokenBatch:
+    """`_batch` with the given row lengths (right-padded), every row with some policy tokens."""
+    batch = _batch(rows, seq, seed=3)
+    positions = np.where(np.arange(seq)[None] < lengths[:, None], np.arange(seq)[None], -1)
+    mask = np.asarray(batch.loss_mask) * (positions > 0)
+    mask[np.arange(rows), lengths - 1] = 1
+    rewards = np.zeros((rows, seq), np.float32)
+    rewards[np.arange(rows), lengths - 1] = np.asarray(batch.scores)
+    return batch.replace(positions=jnp.asarray(positions, jnp.int32), loss_mask=jnp.asarray(mask, jnp.float32),
+                         token_rewards=jnp.asarray(rewards))
+
+
+RAGGED_LENGTHS = np.array([200, 14, 60, 256, 24, 120, 18, 66, 40, 128, 10, 180, 30, 80, 50, 22])
+PADDED = dataclasses.replace(EPOCHS, num_minibatches=1, num_microbatches=4)  # 4 rows per micro-batch
+GROUPED = dataclasses.replace(PADDED, length_buckets=3)  # 256 / 128 / 64
+
+
+@pytest.fixture(scope="module")
+def ragged_updates():
+    """`PADDED` and `GROUPED` on one device, on 16 rows of `RAGGED_LENGTHS` tokens padded to 256."""
+    batch = _ragged_batch(16, 256, RAGGED_LENGTHS)
+    results = {}
+    for config in (PADDED, GROUPED):
+        fns = step_fns(config)
+        state = _state()
+        rl_batch, _ = fns.prepare(state.params, state.params, batch)
+        results[config.length_buckets] = fns.rl_update(state, rl_batch)
+    return batch, results
+
+
+def test_length_grouped_micro_batches_give_the_padded_update_on_fewer_positions(ragged_updates):
+    """Micro-batches grouped by length and cut to their own bucket: the same params and loss as
+    the update over the padded rows, and the share of positions run is what the row lengths give
+    (sorted, 4 per micro-batch, each at the shortest of 256 / 128 / 64 holding its longest row)."""
+    _, results = ragged_updates
+    (a, metrics_a), (b, metrics_b) = results[1], results[3]
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), a.params, b.params)
+    np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
+    groups = np.sort(RAGGED_LENGTHS).reshape(4, 4).max(axis=1)  # [22, 50, 120, 256]
+    run = [min(length for length in (256, 128, 64) if length >= g) for g in groups]  # [64, 64, 128, 256]
+    assert float(metrics_a["length_fraction"]) == 1.0
+    np.testing.assert_allclose(metrics_b["length_fraction"], np.mean(run) / 256)  # 0.5
+
+
+def test_sharded_length_grouped_update_matches_the_padded_one(ragged_updates):
+    """The grouping's row gather and the per-length branches on a 2x2x2 mesh (one row of each
+    micro-batch per batch shard) against one device's padded update."""
+    batch, results = ragged_updates
+    want_state, want_metrics = results[1]
+    mesh = make_mesh(2, 2, 2)
+    state = _state()
+    shardings = steps.train_state_shardings(state, mesh)
+    fns = steps.make_step_fns(GROUPED, mesh, shardings)
+    state = jax.device_put(state, shardings)
+    rl_batch, _ = fns.prepare(state.params, state.params, batch)
+    state, metrics = fns.rl_update(state, rl_batch)
+    assert_close(state.params, want_state.params)
+    assert_close(metrics["loss"], want_metrics["loss"])
+    np.testing.assert_allclose(metrics["length_fraction"], 0.5)
+
+
 def test_ppo_epochs_and_minibatches_are_all_applied(single_device_update):
     state, _, metrics = single_device_update
     assert int(state.step) == 6 and int(state.skipped_updates) == 0

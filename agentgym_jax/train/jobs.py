@@ -164,6 +164,7 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
             ppo_epochs=a.ppo_epochs,
             num_minibatches=a.num_minibatches,
             num_microbatches=a.num_microbatches,
+            length_buckets=a.length_buckets,
             policy_loss=a.policy_loss,
             clip_eps_low=a.clip_eps_low,
             clip_eps_high=a.clip_eps_high,

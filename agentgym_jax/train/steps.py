@@ -78,6 +78,7 @@ class UpdateConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
+    length_buckets: int = 1  # > 1: micro-batches grouped by length, each run at its own (`length_buckets()`)
     policy_loss: str = "ppo"  # a key of POLICY_LOSSES
     clip_eps_low: float = 0.2
     clip_eps_high: float | None = None  # None: clip_eps_low; higher: DAPO's clip-higher
@@ -121,7 +122,7 @@ class UpdateConfig:
         one_of("is_correction", IS_CORRECTIONS)
         one_of("critic", CRITICS)
         at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
-                 num_microbatches=self.num_microbatches)
+                 num_microbatches=self.num_microbatches, length_buckets=self.length_buckets)
         at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                  kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
         at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length,
@@ -401,6 +402,48 @@ def _merge(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
+def length_buckets(seq: int, count: int, multiple: int = 64) -> tuple[int, ...]:
+    """The lengths a micro-batch of `seq`-token rows can run at, longest first: `seq` and its
+    halvings (`count` in all, rounded up to a `multiple` of positions, repeats dropped)."""
+    halvings = (-(-(seq >> i) // multiple) * multiple for i in range(count))
+    return tuple(sorted({min(seq, max(length, multiple)) for length in halvings}, reverse=True))
+
+
+def _row_lengths(batch: Any) -> jax.Array:
+    """[rows] real tokens per row (rows are right-padded, position -1)."""
+    return jnp.sum(batch.positions >= 0, axis=1)
+
+
+def _grouped_by_length(batch: Any, parts: int) -> Any:
+    """`batch`'s rows reordered so that `_split(batch, parts)` part i holds the i-th shortest
+    `rows / parts` rows: micro-batches of like lengths, so that each can run at its own length."""
+    order = jnp.argsort(_row_lengths(batch))
+    per_part = order.shape[0] // parts
+    rows = order.reshape(parts, per_part).T.reshape(-1)  # part i (rows i, i + parts, ...) = order[i * per_part:]
+    return jax.tree.map(lambda x: x[rows], batch)
+
+
+def _grad_at_length(grad_fn: Callable, lengths: tuple[int, ...]) -> Callable:
+    """`grad_fn(params, micro_batch, config)` run on the micro-batch cut to the shortest of
+    `lengths` that holds its longest row (one `lax.switch` branch per length; only the taken one
+    runs), and that length. Exact: positions past a row's end are padding, which no real token
+    attends to and no loss counts, and every loss aggregation is independent of the padded length."""
+    if len(lengths) == 1:
+        return lambda params, batch, config: (grad_fn(params, batch, config), jnp.float32(lengths[0]))
+
+    def at_length(params, batch, config):
+        def cut(length: int) -> Callable:
+            trim = lambda x: x[:, :length] if x.ndim == 2 and x.shape[1] == lengths[0] else x  # noqa: E731
+            return lambda params, batch: grad_fn(params, jax.tree.map(trim, batch), config)
+
+        fits = jnp.asarray(lengths) >= jnp.max(_row_lengths(batch))  # longest first: a prefix is True
+        index = jnp.sum(fits) - 1
+        out = jax.lax.switch(index, [cut(length) for length in lengths], params, batch)
+        return out, jnp.asarray(lengths, jnp.float32)[index]
+
+    return at_length
+
+
 def check_microbatches(rows: int, config: UpdateConfig) -> None:
     """A clear error unless a `rows`-row batch cuts into `num_minibatches x num_microbatches` parts
     that each split evenly over the mesh's batch shards (else a part is replicated and recomputed
@@ -426,24 +469,30 @@ def check_microbatches(rows: int, config: UpdateConfig) -> None:
 def accumulated_update(
     state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
 ) -> tuple[TrainState, Metrics]:
-    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`.
+    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
+    (grouped by length and each cut to its own with `length_buckets > 1`).
 
     The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
     """
+    if config.length_buckets > 1 and config.num_microbatches > 1:
+        batch = _grouped_by_length(batch, config.num_microbatches)
     micro = _split(batch, config.num_microbatches)
     weights = _share(micro.loss_mask, config.agg_mode)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = _grad_at_length(
+        jax.value_and_grad(loss_fn, has_aux=True), length_buckets(batch.tokens.shape[1], config.length_buckets)
+    )
 
     def micro_step(grads, inputs):
         micro_batch, weight = inputs
-        (_, metrics), micro_grads = grad_fn(state.params, micro_batch, config)
+        ((_, metrics), micro_grads), length = grad_fn(state.params, micro_batch, config)
         grads = jax.tree.map(lambda g, m: g + weight * m.astype(jnp.float32), grads, micro_grads)
-        return grads, jax.tree.map(lambda m: weight * m, metrics)
+        return grads, (jax.tree.map(lambda m: weight * m, metrics), length)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    grads, metrics = jax.lax.scan(micro_step, zeros, (micro, weights))
+    grads, (metrics, run_lengths) = jax.lax.scan(micro_step, zeros, (micro, weights))
     metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+    metrics["length_fraction"] = jnp.mean(run_lengths) / batch.tokens.shape[1]  # of the padded positions, computed
     metrics["grad_norm"] = optax.global_norm(grads)
     empty = jnp.sum(micro.loss_mask) == 0  # e.g. a mini-batch of rows the batch filter masked out
     new_state = state.apply_gradients(grads, loss=metrics["loss"], empty=empty)

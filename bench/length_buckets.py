@@ -1,0 +1,95 @@
+"""The RL update over rows of mixed lengths: padded to the longest (`algo.length_buckets=1`)
+against micro-batches grouped by length, each run at its own bucket (`--buckets`), side by side.
+
+    python bench/length_buckets.py                        # 16 rows of 256-2048 tokens, 4 micro-batches, 3 buckets
+    python bench/length_buckets.py --seq 1024 --rounds 2  # a quick look
+
+Both run the same jitted `rl_update` (`ppo_epochs` 1, one mini-batch of `--micro` micro-batches)
+on the same `prepare`d batch, alternately, best of `--rounds`; the parameters they reach are
+compared too (the grouping is exact: the largest difference is printed). Row lengths are drawn
+uniformly from [seq / 8, seq] (an RL step's episodes, some ending early, some at the horizon).
+Last line: `summary: length_buckets_speedup=<padded s / grouped s> length_fraction=<positions run>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from train_step import best_seconds, random_batch  # noqa: E402
+
+from agentgym_jax.models.config import ModelConfig  # noqa: E402
+from agentgym_jax.models.decoder import init_params  # noqa: E402
+from agentgym_jax.train.state import TrainState  # noqa: E402
+from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
+
+
+def ragged(batch, seed: int = 1):
+    """`batch` with row b cut to a length drawn from [seq / 8, seq] (right-padded, position -1)."""
+    rows, seq = batch.tokens.shape
+    lengths = np.random.default_rng(seed).integers(seq // 8, seq + 1, rows)
+    real = np.arange(seq)[None] < lengths[:, None]
+    mask = batch.loss_mask * real
+    rewards = np.zeros_like(batch.token_rewards)
+    rewards[np.arange(rows), lengths - 1] = batch.scores
+    return batch.replace(positions=np.where(real, batch.positions, -1), loss_mask=mask, token_rewards=rewards), lengths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per mini-batch")
+    parser.add_argument("--buckets", type=int, default=3, help="algo.length_buckets of the grouped update")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    model = ModelConfig.small(
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256), head_dim=64,
+    )
+    padded = UpdateConfig(model=model, num_microbatches=args.micro, kl_coef=0.001)
+    grouped = dataclasses.replace(padded, length_buckets=args.buckets)
+    batch, lengths = ragged(random_batch(args.batch, args.seq, args.vocab, group_size=8))
+    params = init_params(model, jax.random.PRNGKey(0))
+    rl_batch, _ = make_step_fns(padded).prepare(params, params, batch)
+
+    tx = optax.adamw(1e-6)  # one optimizer object: it is a static field of the state (a new one recompiles)
+    fresh = lambda: TrainState.create(jax.tree.map(jnp.copy, params), tx, jax.random.PRNGKey(1))  # noqa: E731
+    runs = {}  # (fresh copies: the update donates the state)
+    for name, config in (("padded", padded), ("grouped", grouped)):
+        update = make_step_fns(config).rl_update
+        state, metrics = update(fresh(), rl_batch)  # compiles
+        runs[name] = dict(update=update, fresh=fresh, params=state.params, fraction=float(metrics["length_fraction"]))
+    seconds = {name: float("inf") for name in runs}
+    for _ in range(args.rounds):  # alternate, so that load on the machine hits both alike
+        for name, run in runs.items():
+            state = run["fresh"]()
+            seconds[name] = min(seconds[name], best_seconds(lambda: run["update"](state, rl_batch)[1], 1))
+    diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), runs["padded"]["params"],
+                                            runs["grouped"]["params"])))
+    speedup = seconds["padded"] / seconds["grouped"]
+    print(f"qwen2 L={args.layers} d={args.hidden} vocab={args.vocab}; {args.batch} rows of {lengths.min()}-"
+          f"{lengths.max()} tokens (mean {lengths.mean():.0f}) padded to {args.seq}; {args.micro} micro-batches\n")
+    print("| update | length_buckets | positions run | seconds (best of rounds) |\n| --- | ---: | ---: | ---: |")
+    for name, config in (("padded", padded), ("grouped", grouped)):
+        print(f"| {name} | {config.length_buckets} | {runs[name]['fraction']:.3f} | {seconds[name]:.3f} |")
+    print(f"\nlargest parameter difference after one update: {diff:.2e}")
+    print(f"summary: length_buckets_speedup={speedup:.2f} length_fraction={runs['grouped']['fraction']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
