@@ -410,8 +410,10 @@ def length_buckets(seq: int, count: int, multiple: int = 64) -> tuple[int, ...]:
 
 
 def _row_lengths(batch: Any) -> jax.Array:
-    """[rows] real tokens per row (rows are right-padded, position -1)."""
-    return jnp.sum(batch.positions >= 0, axis=1)
+    """[rows] the positions each row needs: its real tokens (rows are right-padded, position -1),
+    or none when it trains no token (e.g. a group the batch filter dropped: it adds nothing)."""
+    trains = jnp.any(batch.loss_mask > 0, axis=1)
+    return jnp.where(trains, jnp.sum(batch.positions >= 0, axis=1), 0)
 
 
 def _grouped_by_length(batch: Any, parts: int) -> Any:
@@ -427,7 +429,8 @@ def _grad_at_length(grad_fn: Callable, lengths: tuple[int, ...]) -> Callable:
     """`grad_fn(params, micro_batch, config)` run on the micro-batch cut to the shortest of
     `lengths` that holds its longest row (one `lax.switch` branch per length; only the taken one
     runs), and that length. Exact: positions past a row's end are padding, which no real token
-    attends to and no loss counts, and every loss aggregation is independent of the padded length."""
+    attends to and no loss counts (nor any position of a row that trains no token), and every loss
+    aggregation is independent of the padded length."""
     if len(lengths) == 1:
         return lambda params, batch, config: (grad_fn(params, batch, config), jnp.float32(lengths[0]))
 
