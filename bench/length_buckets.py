@@ -26,9 +26,8 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from train_step import best_seconds, random_batch  # noqa: E402
+from train_step import bench_model, best_seconds, random_batch  # noqa: E402
 
-from agentgym_jax.models.config import ModelConfig  # noqa: E402
 from agentgym_jax.models.decoder import init_params  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
 from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
@@ -57,10 +56,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    model = ModelConfig.small(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256), head_dim=64,
-    )
+    model = bench_model(args.layers, args.hidden, args.vocab)
     padded = UpdateConfig(model=model, num_microbatches=args.micro, kl_coef=0.001)
     grouped = dataclasses.replace(padded, length_buckets=args.buckets)
     batch, lengths = ragged(random_batch(args.batch, args.seq, args.vocab, group_size=8))
@@ -73,11 +69,11 @@ def main() -> None:
     for name, config in (("padded", padded), ("grouped", grouped)):
         update = make_step_fns(config).rl_update
         state, metrics = update(fresh(), rl_batch)  # compiles
-        runs[name] = dict(update=update, fresh=fresh, params=state.params, fraction=float(metrics["length_fraction"]))
+        runs[name] = dict(update=update, params=state.params, fraction=float(metrics["length_fraction"]))
     seconds = {name: float("inf") for name in runs}
     for _ in range(args.rounds):  # alternate, so that load on the machine hits both alike
         for name, run in runs.items():
-            state = run["fresh"]()
+            state = fresh()
             seconds[name] = min(seconds[name], best_seconds(lambda: run["update"](state, rl_batch)[1], 1))
     diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(abs(a - b).max()), runs["padded"]["params"],
                                             runs["grouped"]["params"])))

@@ -198,7 +198,9 @@ def compile_steps(
 
     r = config.rollout
     sampling = SamplingConfig(max_new_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-    sampler = Sampler.sharded_decoder(model, sampling, mesh, max_cache_len=r.max_cache_len, dtype=config.model.compute_dtype)
+    make_sampler = functools.partial(Sampler.sharded_decoder, model, sampling, mesh, max_cache_len=r.max_cache_len,
+                                     dtype=config.model.compute_dtype)
+    sampler = make_sampler()
     weights = with_shardings(jax.eval_shape(sampler.sampling_params, state.params), sampler.shardings.params)
     opt = (state.opt_state, state.step, state.rng, state.skipped_updates)
     copied = any(w.dtype != p.dtype for w, p in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params)))
@@ -207,9 +209,7 @@ def compile_steps(
     sampling_steps = engine_steps(config, model, sampler, weights, rows, chunk, beside_sampler)
     cache_dtype = jnp.dtype(config.model.compute_dtype)
     if cpu_proxy and jnp.issubdtype(cache_dtype, jnp.floating) and cache_dtype.itemsize < 4:
-        twin = Sampler.sharded_decoder(model, sampling, mesh, max_cache_len=r.max_cache_len,
-                                       dtype=config.model.compute_dtype, cache_dtype=jnp.float32)
-        twins = engine_steps(config, model, twin, weights, rows, chunk, beside_sampler)
+        twins = engine_steps(config, model, make_sampler(cache_dtype=jnp.float32), weights, rows, chunk, beside_sampler)
         sampling_steps = float32_cache_twins(sampling_steps, twins)
     return sampler, [
         *sampling_steps,

@@ -67,6 +67,14 @@ def random_batch(rows: int, seq: int, vocab: int, group_size: int, seed: int = 0
     )
 
 
+def bench_model(layers: int, hidden: int, vocab: int) -> ModelConfig:
+    """A Qwen2-style decoder with 64-wide heads, a key/value head per 256 of width, MLP 3x wide."""
+    return ModelConfig.small(
+        "qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+        num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
+    )
+
+
 def matmul_params(m: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: attention, MLP, LM head."""
     attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, o, k, v
@@ -111,10 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    model = ModelConfig.small(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256), head_dim=64,
-    )
+    model = bench_model(args.layers, args.hidden, args.vocab)
     config = UpdateConfig(
         model=model, ppo_epochs=args.ppo_epochs, kl_coef=args.kl_coef, compute_dtype=args.compute_dtype,
         remat=args.remat,
