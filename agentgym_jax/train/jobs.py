@@ -100,7 +100,8 @@ def oracle_train_ids(info: TaskInfo) -> list[int]:
 def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: TaskInfo) -> list[Episode]:
     """This process's share of the oracle episodes of `sft.num_tasks` training tasks (SFT data
     and tokenizer text): tasks with an oracle only, where an environment lists them
-    (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena)."""
+    (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena). An episode stops at `sft.max_turns`,
+    so a demonstration longer than that ends `max_turns`, unsuccessful, and SFT leaves it out."""
     train_ids = oracle_train_ids(info)
     task_ids, _ = process_share(task_batch(train_ids, 0, config.sft.num_tasks, config.seed + 1),
                                 "sft.num_tasks", even=False)
@@ -109,7 +110,8 @@ def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: Ta
 
     async def play() -> list[Episode]:
         async with setup.make_pool(config.env, urls) as pool:
-            return await play_oracle_episodes(pool, task_ids, action_format=config.rollout.action_format)
+            return await play_oracle_episodes(pool, task_ids, horizon=config.sft.max_turns,
+                                              action_format=config.rollout.action_format)
 
     return run_sync(play())
 

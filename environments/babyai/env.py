@@ -1,4 +1,5 @@
-"""BabyAI as a text environment: AgentGym's 40 minigrid levels, high-level actions, BabyAIBot oracle.
+"""BabyAI as a text environment: AgentGym's 40 minigrid levels, high-level actions, an oracle (BabyAIBot,
+and the one high-level action that completes a one-clause mission whose target is in view).
 
 Task `data_idx` is level `levels.LEVELS[data_idx % 40]` with seed `data_idx // 40` (AgentGym's
 rule). The policy reads its goal (the level's mission) and what it sees (`view.Scene.describe`),
@@ -28,7 +29,7 @@ from minigrid.envs.babyai.core.roomgrid_level import RoomGridLevel
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.babyai import levels
 from environments.babyai.actions import CHECK, Invalid, available_actions, compile_action, normalize
-from environments.babyai.oracle import Oracle
+from environments.babyai.oracle import Oracle, mission_action
 from environments.babyai.view import Scene, visible_cells
 from environments.base import Environment
 
@@ -193,6 +194,8 @@ class BabyAIEnv(Environment):
 
     def oracle_action(self) -> str:
         engine = self._require_episode()
+        if shortcut := mission_action(engine, self.scene()):
+            return shortcut
         if self._oracle is None:
             self._oracle = Oracle(engine)
         primitive = self._oracle.next_action()

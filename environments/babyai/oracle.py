@@ -1,4 +1,11 @@
-"""The oracle: minigrid's BabyAIBot, kept in step with the episode, plus the help it needs.
+"""The oracle: minigrid's BabyAIBot, kept in step with the episode, plus the help it needs, and a
+shortcut to the high-level action that completes a one-clause mission whose target is in view.
+
+The shortcut (`mission_action`) makes demonstrations read the way a policy is meant to act: "go to
+red ball 1" when the mission is "go to the red ball" and one is in view, rather than the bot's
+turns and steps. It names only an object the mission's own verifier accepts (`ObjDesc.obj_set`,
+fixed at reset), so the action completes the mission; anything else (sequences, put-next, a target
+out of view or behind a locked door) is the bot's.
 
 The bot plans one primitive action at a time and must observe every step it plans for (it keeps
 its own map of seen cells and a stack of subgoals). `Oracle.observe` is told which primitives the
@@ -22,14 +29,35 @@ from collections import deque
 import numpy as np
 from minigrid.core.actions import Actions
 from minigrid.envs.babyai.core.roomgrid_level import RoomGridLevel
+from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot, DisappearedBoxError
 
+from environments.babyai.actions import Invalid, compile_action
 from environments.babyai.paths import DIR_VECS, PathTree
-from environments.babyai.view import steppable
+from environments.babyai.view import Scene, steppable
 
 MAX_STACK = 64  # the bot's deepest honest plan is ~20 subgoals; a loop passes this in microseconds
 MAX_TURNS_IN_PLACE = 6  # a 180-degree turn takes 2; more than 6 turns in a row make no progress
 Step = int | tuple[str, tuple[int, int]]  # a primitive, or ("face", cell): walk to face the cell
+
+
+# The action that completes each one-clause mission on its object ("open": toggle the door, which
+# the engine checks on the toggle step, before the walk through).
+MISSION_VERBS = {GoToInstr: "go to", PickupInstr: "pick up", OpenInstr: "toggle and go through"}
+
+
+def mission_action(engine: RoomGridLevel, scene: Scene) -> str | None:
+    """The high-level action that completes a one-clause mission now, or None (the bot's turn)."""
+    verb = MISSION_VERBS.get(type(engine.instrs))
+    if verb is None:
+        return None
+    targets = engine.instrs.desc.obj_set  # the objects the verifier accepts (not recomputed: "behind you" is from the start)
+    for seen in scene.objects:  # nearest first
+        if any(seen.obj is t for t in targets):
+            action = f"{verb} {seen.label}"
+            if not isinstance(compile_action(action, scene), Invalid):
+                return action
+    return None
 
 
 class PlanningLoop(Exception):
