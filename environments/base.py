@@ -12,7 +12,7 @@ import abc
 import re
 from typing import Any, ClassVar
 
-from agentgym_jax.envs.protocol import StepResult, TaskInfo
+from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 
 _ACTION_RE = re.compile(r"Action:\s*(.*)", re.IGNORECASE | re.DOTALL)
 
@@ -57,6 +57,10 @@ class Environment(abc.ABC):
     # (lower both where an episode costs seconds of engine time or a session is a process).
     oracle_sweep_episodes: ClassVar[int] = 100
     oracle_sweep_concurrency: ClassVar[int] = 32
+    # Shaped rewards a session may opt into (`/create {"reward_shaping": <name>}`), off by default.
+    # Shaping changes the rewards paid, never `verify` (what counts as success).
+    reward_shapings: ClassVar[tuple[str, ...]] = ()
+    reward_shaping: str = ""  # this session's choice; "": the environment's own reward
 
     @classmethod
     @abc.abstractmethod
@@ -96,8 +100,13 @@ class Environment(abc.ABC):
     def check_create(cls, body: dict[str, Any]) -> None:
         """Refuses `/create` settings this environment cannot honour (raise a `ProtocolError`).
 
-        The body is otherwise ignored: a session starts its episode at `/reset`.
+        `reward_shaping` must be one of `reward_shapings`; the body is otherwise ignored: a
+        session starts its episode at `/reset`. Subclasses that refuse more call this too.
         """
+        shaping = body.get("reward_shaping", "")
+        if shaping and shaping not in cls.reward_shapings:
+            valid = ", ".join(repr(s) for s in cls.reward_shapings) or "none"
+            raise ProtocolError(f"{cls.name} has no reward shaping {shaping!r}; valid: {valid}")
 
     def reset_fields(self) -> dict[str, Any]:
         """Extra fields of the `/reset` answer that AgentGym's client reads (SciWorld's `task_description`)."""

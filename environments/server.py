@@ -192,8 +192,11 @@ class EnvServer:
         body = await _json_body(request)  # AgentGym's TextCraft client posts settings we do not need
         self.env_cls.check_create(body)
         session = await self.table.create(functools.partial(self._call, self.env_cls))
-        # TextCraft's client reads `observation` here; the episode starts with /reset.
-        return web.json_response({"id": session.id, "observation": ""})
+        answer = {"id": session.id, "observation": ""}  # TextCraft's client reads `observation`; /reset starts the episode
+        if shaping := body.get("reward_shaping"):
+            session.env.reward_shaping = shaping
+            answer["reward_shaping"] = shaping  # the confirmation a client checks (a server without shaping omits it)
+        return web.json_response(answer)
 
     async def reset(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

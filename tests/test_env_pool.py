@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from agentgym_jax.envs.client import EnvClient, EnvConnectionError, EnvRequestTimeout, EnvServerError
+from agentgym_jax.envs.dialects import DialectClient
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -329,3 +330,22 @@ def test_client_raises_typed_errors(maze):
     assert bad_task.status == 400 and bad_task.is_client_error and "out of range" in bad_task.message
     assert unknown.status == 404 and "unknown session" in unknown.message
     assert not isinstance(refused, EnvServerError) and not isinstance(refused, EnvRequestTimeout)
+
+
+def test_reward_shaping_is_asked_of_every_session_and_refused_where_a_server_has_none(maze):
+    """`reward_shaping` goes to every /create; the server confirms it and pays it; success is the same."""
+    async def play(url, shaping, task_id):
+        async with EnvPool(url, reward_shaping=shaping, max_retries=0) as pool:
+            return await pool.run_episode(task_id, pool.oracle_policy)
+
+    plain = asyncio.run(asyncio.wait_for(play(maze.urls["maze"], "", 250), 30))
+    shaped = asyncio.run(asyncio.wait_for(play(maze.urls["maze"], "progress", 250), 30))
+    assert plain.status is shaped.status is S.SUCCESS and len(plain.turns) == len(shaped.turns) > 3
+    assert [t.reward for t in plain.turns] == [0.0] * (len(plain.turns) - 1) + [1.0]
+    assert [t.reward for t in shaped.turns[:-1]] == [1 / 32] * (len(shaped.turns) - 1)  # one step of progress each
+    assert sum(t.reward for t in shaped.turns) == 1.0
+    with LocalServers(["room"]) as room:  # the room's credit is its own reward, not an option: refused, with the valid ones
+        refused = asyncio.run(asyncio.wait_for(play(room.urls["room"], "progress", 0), 30))
+    assert refused.status is S.INFRA_ERROR and "no reward shaping 'progress'; valid: none" in refused.error
+    with pytest.raises(ValueError, match="AgentGym's servers pay their own rewards only"):
+        DialectClient(maze.urls["maze"], None, dialect="maze", reward_shaping="progress")

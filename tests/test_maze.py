@@ -137,3 +137,25 @@ def test_start_rejects_walls_and_unreachable_goals():
         env.start(TWO_ROUTES, (0, 0), (1, 7))
     with pytest.raises(ValueError, match="unreachable"):
         env.start(("#####", "#.#.#", "#####"), (1, 1), (1, 3))
+
+
+def test_progress_shaping_is_opt_in_potential_based_and_leaves_success_alone():
+    plain, shaped = MazeEnv(), MazeEnv()
+    shaped.reward_shaping = "progress"
+    moves = ["move right", "move left", "move up", "move down"]  # from (1, 1): towards the dead end, back, a wall, the shortest route
+    for env in (plain, shaped):
+        env.start(TWO_ROUTES, (1, 1), (1, 7))
+    assert [plain.step(m).reward for m in moves] == [0.0] * 4
+    step = maze.PROGRESS_REWARD
+    assert [shaped.step(m).reward for m in moves] == [-step, step, 0.0, step]  # shortest distance 14 -> 15 -> 14 -> 14 -> 13
+    # Following the oracle from any start: every step earns one step's credit, the goal the rest of 1, exactly.
+    for env in (plain, shaped):
+        env.start(TWO_ROUTES, (1, 1), (1, 7))
+    for env in (plain, shaped):
+        results = []
+        while not env.verify():
+            results.append(env.step(env.oracle_action()))
+        assert results[-1].info["success"] and results[-1].info["score"] == 1.0 and sum(r.reward for r in results) == 1.0
+    assert [r.reward for r in results[:-1]] == [step] * 13
+    # A failed episode stays below 1 whatever it does: at most (MAX_DISTANCE - 1) steps of progress.
+    assert maze.PROGRESS_REWARD * (maze.MAX_DISTANCE - 1) < 1.0

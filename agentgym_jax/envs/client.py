@@ -56,8 +56,10 @@ class EnvClient:
         *,
         request_timeout_s: float = 30.0,
         auth_token: str = "",
+        reward_shaping: str = "",
     ):
         self.url = url.rstrip("/")
+        self.reward_shaping = reward_shaping  # asked of every session at /create ("": the environment's own reward)
         self._session = session
         self.request_timeout_s = request_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
@@ -95,7 +97,15 @@ class EnvClient:
         return answer
 
     async def create(self) -> SessionId:
-        return (await self.request("POST", "/create"))["id"]
+        """A new session; with `reward_shaping`, one the server confirmed pays it (else `EnvServerError` 400:
+        a server that ignored the field would train on rewards other than the ones asked for)."""
+        if not self.reward_shaping:
+            return (await self.request("POST", "/create"))["id"]
+        answer = await self.request("POST", "/create", body={"reward_shaping": self.reward_shaping})
+        if answer.get("reward_shaping") != self.reward_shaping:
+            raise EnvServerError(400, f"the server did not confirm reward_shaping={self.reward_shaping!r} "
+                                      "(an older or AgentGym server ignores it)", self.url + "/create")
+        return answer["id"]
 
     async def reset(self, session_id: SessionId, data_idx: int) -> str:
         """Starts task `data_idx` in the session; returns the first observation.

@@ -101,6 +101,8 @@ class DialectClient(EnvClient):
 
     def __init__(self, url: str, session: aiohttp.ClientSession, *, dialect: Dialect | str, **kwargs: Any):
         super().__init__(url, session, **kwargs)
+        if self.reward_shaping:
+            raise ValueError(f"reward_shaping={self.reward_shaping!r}: AgentGym's servers pay their own rewards only")
         self.dialect = get_dialect(dialect) if isinstance(dialect, str) else dialect
 
     async def _send(self, method: str, path: str, session_id: SessionId | None = None, **fields: Any) -> Any:

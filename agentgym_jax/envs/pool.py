@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # (slot, observation) -> action text; the oracle and a model sampler both fit.
 Policy = Callable[[int, str], Awaitable[str]]
-# (url, http_session, request_timeout_s=, auth_token=) -> client: `EnvClient` or a dialect's.
+# (url, http_session, request_timeout_s=, auth_token=, reward_shaping=) -> client: `EnvClient` or a dialect's.
 ClientFactory = Callable[..., EnvClient]
 
 _RETRIED_STATUSES = (502, 503, 504)  # overloaded or restarting: worth another try
@@ -153,6 +153,7 @@ class EnvPool:
         backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
         auth_token: str = "",
+        reward_shaping: str = "",
         client_factory: ClientFactory = EnvClient,
     ):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -169,6 +170,7 @@ class EnvPool:
         self.max_backoff_s = max_backoff_s
         self._request_timeout_s = request_timeout_s
         self._auth_token = auth_token
+        self._reward_shaping = reward_shaping
         self._client_factory = client_factory
         self._max_concurrency = max_concurrency
         self._max_sessions = max_sessions
@@ -184,7 +186,8 @@ class EnvPool:
         self._semaphore = asyncio.Semaphore(self._max_concurrency)
         self._servers = [
             _Server(
-                self._client_factory(url, self._http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token),
+                self._client_factory(url, self._http, request_timeout_s=self._request_timeout_s, auth_token=self._auth_token,
+                                     reward_shaping=self._reward_shaping),
                 limit=self._max_sessions or float("inf"),
             )
             for url in self.urls

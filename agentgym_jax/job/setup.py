@@ -148,7 +148,8 @@ def environment_urls(env: ml_collections.ConfigDict) -> Iterator[list[str]]:
 
 
 def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
-    """A pool over `urls` that sends `env.auth_token` (servers started with `--auth_token`)."""
+    """A pool over `urls` that sends `env.auth_token` (servers started with `--auth_token`) and asks
+    every session for `env.reward_shaping` (where the config has one: RL and AgentEvol jobs)."""
     return EnvPool(
         urls,
         max_concurrency=env.max_concurrency,
@@ -156,6 +157,7 @@ def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
         request_timeout_s=env.request_timeout_s,
         episode_timeout_s=env.episode_timeout_s,
         auth_token=env.auth_token,
+        reward_shaping=env.get("reward_shaping", ""),
     )
 
 

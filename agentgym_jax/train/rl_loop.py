@@ -145,7 +145,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
 def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[str, float]:
     """Prints the before/after table and the summary line; saves report.json and the curve."""
     rows = ["success_rate", "mean_reward", "turns", "invalid_action_rate"]
-    print(f"\n| metric ({len(test_ids)} held-out {info.env} tasks) | after SFT | after RL |")
+    shaping = config.env.reward_shaping  # rewards (mean_reward, RL's signal) include it; success never does
+    shaped = f", reward shaping: {shaping}" if shaping else ""
+    print(f"\n| metric ({len(test_ids)} held-out {info.env} tasks{shaped}) | after SFT | after RL |")
     print("| --- | --- | --- |")
     for key in rows:
         print(f"| {key} | {before[key]:.3f} | {after[key]:.3f} |")
@@ -155,11 +157,11 @@ def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[
     _plot_learning_curve(workdir)
     minutes = (time.time() - start_time) / 60
     summary = {"success_before": before["success_rate"], "success_after": after["success_rate"], "minutes": minutes}
-    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary,
-                                                     "wilson_95": intervals, "env": info.env, "seed": config.seed}, indent=2))
+    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary, "wilson_95": intervals,
+                                                     "env": info.env, "seed": config.seed, "reward_shaping": shaping}, indent=2))
     print(
         f"summary: env={info.env} heldout_tasks={len(test_ids)} success_before={before['success_rate']:.3f} "
-        f"success_after={after['success_rate']:.3f} minutes={minutes:.1f}"
+        f"success_after={after['success_rate']:.3f} minutes={minutes:.1f}" + (f" reward_shaping={shaping}" if shaping else "")
     )
     return summary
 

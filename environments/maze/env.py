@@ -5,6 +5,13 @@ AgentGym's maze prompts and trajectories read the same here. Reward 1 on reachin
 0 otherwise; an episode ends at the goal or after `MAX_STEPS` moves. Task id -> (layout, start,
 goal): `TASKS_PER_LAYOUT` start/goal pairs on each of `NUM_LAYOUTS` generated layouts; the last
 `TEST_LAYOUTS` layouts are held out as the test split.
+
+Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default): each move also earns
+`progress_reward` times the change in shortest-path distance to the goal (negative when it moves
+away), and reaching the goal earns the rest of 1. That is potential-based shaping (Ng et al.,
+1999: it leaves the optimal policy alone): an episode's return is 1 exactly on success and at most
+`progress_reward * (MAX_DISTANCE - 1)` < 1 otherwise, and success is the goal reached, as without
+it. Powers of two add exactly in floating point, so the sum on success is exactly 1.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ TASKS_PER_LAYOUT = 25
 NUM_TASKS = NUM_LAYOUTS * TASKS_PER_LAYOUT
 MAX_STEPS = 50  # LMRL-Gym's maze limit
 MIN_DISTANCE, MAX_DISTANCE = 4, 30  # shortest-path length of a task, so the limit leaves slack
+PROGRESS_REWARD = 1 / 32  # shaping per step of progress: 29 steps (the longest task's) earn < 1
 
 _MOVE_RE = re.compile(r"^(?:move\s+|go\s+)?(up|down|left|right)$")
 _ACTIONS_TEXT = ", ".join(f'"{a}"' for a in MOVES)
@@ -77,6 +85,8 @@ class MazeEnv(Environment):
     success_threshold = 1.0
     route_prefixes = ("/maze",)  # AgentGym's LMRL-Gym server serves the maze under /maze
     max_steps: ClassVar[int] = MAX_STEPS
+    reward_shapings = ("progress",)
+    progress_reward: ClassVar[float] = PROGRESS_REWARD
 
     def __init__(self) -> None:
         self.layout: layouts.Layout = ()
@@ -85,6 +95,7 @@ class MazeEnv(Environment):
         self.steps = 0
         self._dist: dict[Position, int] = {}
         self._observation = ""
+        self._credited = 0.0  # reward paid so far this episode
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -125,6 +136,7 @@ class MazeEnv(Environment):
         if start not in self._dist:
             raise ValueError(f"goal {goal} is unreachable from {start}")
         self.steps = 0
+        self._credited = 0.0
         self._observation = self._describe()
         return self._observation
 
@@ -133,8 +145,13 @@ class MazeEnv(Environment):
                 f"Your current position is at position {self.position[0]}, {self.position[1]}. "
                 + describe_walls(self.layout, self.position))
 
+    def pays_progress(self) -> bool:
+        """Whether moves earn partial credit (the module docstring): here only when opted into."""
+        return self.reward_shaping == "progress"
+
     def step(self, action: str) -> StepResult:
         self.steps += 1
+        before = self._dist[self.position]
         move = MOVES.get(action)
         if move is not None:
             target = (self.position[0] + move[0], self.position[1] + move[1])
@@ -150,8 +167,11 @@ class MazeEnv(Environment):
             self._observation = self._describe()
         if out_of_moves:
             self._observation += f" You have used all {self.max_steps} moves."
-        return self.result(self._observation, 1.0 if solved else 0.0, solved or out_of_moves,
-                           invalid=move is None, steps=self.steps)
+        reward = 1.0 if solved else 0.0
+        if self.pays_progress():
+            reward = 1.0 - self._credited if solved else self.progress_reward * (before - self._dist[self.position])
+            self._credited += reward
+        return self.result(self._observation, reward, solved or out_of_moves, invalid=move is None, steps=self.steps)
 
     def observation(self) -> str:
         return self._observation

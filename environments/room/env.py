@@ -8,22 +8,22 @@ walls, in a few tokens; choosing a move towards the goal that no wall blocks is 
 skill. `NUM_LAYOUTS` seeded rooms, `TASKS_PER_LAYOUT` start/goal pairs on each; every fourth
 task id is held out for the test split (same rooms, unseen start/goal pairs).
 
-Partial credit: each move earns `PROGRESS_REWARD` times the change in shortest-path distance to
-the goal (negative when it moves away), and reaching the goal earns the rest of 1. An episode's
-reward (the sum) is 1 exactly on success and at most `PROGRESS_REWARD * (MAX_DISTANCE - 1)` < 1
-otherwise, so success (reward >= `success_threshold` = 1) is unchanged, while episodes that all
-fail still differ: a group-relative estimator (GRPO) gets a learning signal from every task, not
-only from tasks where some samples happen to succeed. Multiples of 1/8 add exactly in floating
-point, so the sum is never 0.999... on success.
+Partial credit, always paid (the Maze's opt-in `progress` shaping, as the room's own reward):
+each move earns `PROGRESS_REWARD` times the change in shortest-path distance to the goal
+(negative when it moves away), and reaching the goal earns the rest of 1. An episode's reward (the
+sum) is 1 exactly on success and at most `PROGRESS_REWARD * (MAX_DISTANCE - 1)` < 1 otherwise, so
+success (reward >= `success_threshold` = 1) is unchanged, while episodes that all fail still
+differ: a group-relative estimator (GRPO) gets a learning signal from every task, not only from
+tasks where some samples happen to succeed. Multiples of 1/8 add exactly in floating point, so
+the sum is never 0.999... on success.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 
-from agentgym_jax.envs.protocol import StepResult, TaskInfo
+from agentgym_jax.envs.protocol import TaskInfo
 from environments.base import every_kth_held_out
 from environments.maze import layouts
 from environments.maze.env import MazeEnv
@@ -80,6 +80,8 @@ class RoomEnv(MazeEnv):
     instruction = INSTRUCTION
     route_prefixes = ()
     max_steps = MAX_STEPS
+    reward_shapings = ()  # the credit below is the room's own reward, always paid
+    progress_reward = PROGRESS_REWARD
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -97,21 +99,8 @@ class RoomEnv(MazeEnv):
     def task_setup(cls, data_idx: int) -> tuple[Layout, Position, Position]:
         return room_task(data_idx)
 
-    def start(self, layout: Layout, start: Position, goal: Position) -> str:
-        observation = super().start(layout, start, goal)
-        self._credited = 0.0  # reward paid so far this episode
-        return observation
-
-    def step(self, action: str) -> StepResult:
-        """The Maze's step, with partial credit for progress (see the module docstring)."""
-        before = self._dist[self.position]
-        result = super().step(action)
-        if self.verify():
-            reward = 1.0 - self._credited
-        else:
-            reward = PROGRESS_REWARD * (before - self._dist[self.position])
-        self._credited += reward
-        return dataclasses.replace(result, reward=reward)
+    def pays_progress(self) -> bool:
+        return True  # the room's own reward (module docstring), not an option
 
     def _describe(self) -> str:
         """E.g. "Goal: 2 up, 3 right. Walls: left." (relative, so a move is read off directly)."""

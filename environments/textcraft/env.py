@@ -90,6 +90,7 @@ class TextCraftEnv(Environment):
     @classmethod
     def check_create(cls, body: dict[str, Any]) -> None:
         """AgentGym's custom task (`commands`/`goal` at `/create`) is refused, not silently ignored."""
+        super().check_create(body)
         custom = [key for key in ("commands", "goal") if body.get(key) is not None]
         if custom:
             raise ProtocolError(
