@@ -181,3 +181,21 @@ def test_recipe_decides_the_output_count(table_env):
     table_env.step("get 1 oak logs")
     r = table_env.step("craft 9 oak planks using 1 oak logs")
     assert r.observation == "Crafted 4 oak planks" and table_env.inventory == {"minecraft:oak_planks": 4}
+
+
+def test_progress_shaping_pays_each_planned_command_and_exactly_one_on_success():
+    plain, shaped = TextCraftEnv(), TextCraftEnv()
+    shaped.reward_shaping = "progress"
+    for env in (plain, shaped):
+        env.reset(300)  # mossy stone bricks: get 4 stone, craft stone bricks, get vine, craft the goal
+    detours = ["get 1 oak logs", "inventory", "craft 1 nothing using 1 dirt"]  # unneeded, neutral, invalid
+    assert [plain.step(a).reward for a in detours] == [shaped.step(a).reward for a in detours] == [0.0] * 3
+    for env in (plain, shaped):
+        rewards = []
+        while not env.verify():
+            rewards.append(env.step(env.oracle_action()).reward)
+        assert sum(rewards) == 1.0 and env.verify()
+    assert rewards == [1 / 64] * 3 + [1 - 3 / 64]  # the last list is the shaped episode's
+    shaped.reset(300)
+    assert shaped.step("get 4 stone").reward == 1 / 64
+    assert shaped.step("craft 6 stone slab using 3 stone").reward == -1 / 64  # spends stone the plan needed: undone progress

@@ -6,12 +6,10 @@ AgentGym's maze prompts and trajectories read the same here. Reward 1 on reachin
 goal): `TASKS_PER_LAYOUT` start/goal pairs on each of `NUM_LAYOUTS` generated layouts; the last
 `TEST_LAYOUTS` layouts are held out as the test split.
 
-Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default): each move also earns
-`progress_reward` times the change in shortest-path distance to the goal (negative when it moves
-away), and reaching the goal earns the rest of 1. That is potential-based shaping (Ng et al.,
-1999: it leaves the optimal policy alone): an episode's return is 1 exactly on success and at most
-`progress_reward * (MAX_DISTANCE - 1)` < 1 otherwise, and success is the goal reached, as without
-it. Powers of two add exactly in floating point, so the sum on success is exactly 1.
+Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default; `environments/shaping.py`):
+each move earns `progress_reward` times the decrease of the shortest-path distance to the goal
+(negative when it moves away), the goal the rest of 1; a failed episode stays below 1, since
+`progress_reward * (MAX_DISTANCE - 1)` < 1, and success is the goal reached, as without it.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, parse_thought_action
 from environments.maze import layouts
 from environments.maze.layouts import MOVES, Position
+from environments.shaping import ProgressCredit
 
 NUM_LAYOUTS = 12
 TEST_LAYOUTS = 2
@@ -95,7 +94,7 @@ class MazeEnv(Environment):
         self.steps = 0
         self._dist: dict[Position, int] = {}
         self._observation = ""
-        self._credited = 0.0  # reward paid so far this episode
+        self._credit = ProgressCredit(self.progress_reward)
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -136,7 +135,7 @@ class MazeEnv(Environment):
         if start not in self._dist:
             raise ValueError(f"goal {goal} is unreachable from {start}")
         self.steps = 0
-        self._credited = 0.0
+        self._credit.reset()
         self._observation = self._describe()
         return self._observation
 
@@ -167,10 +166,7 @@ class MazeEnv(Environment):
             self._observation = self._describe()
         if out_of_moves:
             self._observation += f" You have used all {self.max_steps} moves."
-        reward = 1.0 if solved else 0.0
-        if self.pays_progress():
-            reward = 1.0 - self._credited if solved else self.progress_reward * (before - self._dist[self.position])
-            self._credited += reward
+        reward = self._credit.pay(solved, before - self._dist[self.position]) if self.pays_progress() else float(solved)
         return self.result(self._observation, reward, solved or out_of_moves, invalid=move is None, steps=self.steps)
 
     def observation(self) -> str:

@@ -7,6 +7,11 @@ cannot be fetched. A recipe input that is a tag (`planks`) is satisfied by namin
 item of it (`oak planks`). The output count written in a craft command is ignored: one craft
 makes what the recipe makes.
 
+Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default; `environments/shaping.py`):
+each step earns `PROGRESS_REWARD` times the decrease of the number of commands left in the
+oracle's plan (`planner.plan` from the inventory: a needed `get` or craft shortens it by one), the
+goal's craft the rest of 1. Plans run 2 to 48 commands, so a failed episode stays below 1.
+
 Task id -> goal: the goals sorted by (crafting depth, item id); the test split is every fifth
 id, so it covers every depth. Each task's command list is the goal's whole recipe tree plus up to
 ten distractor recipes that use the same ingredients, drawn and shuffled by
@@ -21,10 +26,12 @@ from typing import Any, ClassVar
 
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out, parse_thought_action
+from environments.shaping import ProgressCredit
 from environments.textcraft import planner
 from environments.textcraft.recipes import Cookbook, Recipe, cookbook, display_name, item_id
 
 MAX_DISTRACTORS = 10
+PROGRESS_REWARD = 1 / 64  # shaping per command of the plan done: the longest plan (48) earns < 1
 TEST_EVERY = 5  # task ids divisible by this form the test split
 
 _GET = re.compile(r"get (\d+) (.+)")
@@ -65,6 +72,7 @@ class TextCraftEnv(Environment):
     name: ClassVar[str] = "textcraft"
     instruction: ClassVar[str] = INSTRUCTION
     extra_queries: ClassVar[tuple[str, ...]] = ("commands", "goal")  # AgentGym's extra GETs
+    reward_shapings = ("progress",)
 
     def __init__(self) -> None:
         self.book: Cookbook = cookbook()
@@ -72,6 +80,7 @@ class TextCraftEnv(Environment):
         self.commands_text = ""
         self.inventory: dict[str, int] = {}
         self._observation = ""
+        self._credit = ProgressCredit(PROGRESS_REWARD)
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -129,6 +138,7 @@ class TextCraftEnv(Environment):
         self.goal_id = goals[data_idx]
         self.commands_text = "\n".join(self._task_commands(data_idx))
         self.inventory = {}
+        self._credit.reset()
         self._observation = f"Crafting commands:\n{self.commands_text}\n\nGoal: craft {self.goal()}."
         return self._observation
 
@@ -141,6 +151,8 @@ class TextCraftEnv(Environment):
         return self.commands_text
 
     def step(self, action: str) -> StepResult:
+        shaped = self.reward_shaping == "progress"
+        left = len(self._plan()) if shaped else 0
         action = _normalize(action)
         try:
             if action == "inventory":
@@ -155,7 +167,10 @@ class TextCraftEnv(Environment):
             self._observation = str(e)
             return self.result(self._observation, 0.0, False, invalid=True)
         self._observation = observation
-        return self.result(observation, reward, reward > 0, invalid=False)
+        solved = reward > 0
+        if shaped:
+            reward = self._credit.pay(solved, left - len(self._plan()))
+        return self.result(observation, reward, solved, invalid=False)
 
     def _show_inventory(self) -> str:
         if not self.inventory:
@@ -215,6 +230,10 @@ class TextCraftEnv(Environment):
     def verify(self) -> bool:
         return self.goal_id is not None and self.inventory.get(self.goal_id, 0) > 0
 
+    def _plan(self) -> list[str]:
+        """The oracle's commands from the current inventory to the goal."""
+        return planner.plan(self.book, self.goal_id, self.inventory)
+
     def oracle_action(self) -> str:
-        steps = planner.plan(self.book, self.goal_id, self.inventory)
+        steps = self._plan()
         return steps[0] if steps else "inventory"
