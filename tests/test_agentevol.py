@@ -32,10 +32,10 @@ def _t(task_id, tokens, reward=1.0, status=EpisodeStatus.SUCCESS):
                       logprobs=[0.0] * n, turn_spans=[(0, n)], turn_rewards=[reward], reward=reward, status=status)
 
 
-def test_keep_successes_uses_the_threshold_and_skips_unscored():
-    kept = keep_successes([_t(1, [1], 1.0), _t(2, [2], 0.5, EpisodeStatus.FAILURE), _t(3, [3], 0.9),
-                           _t(4, [4], 1.0, EpisodeStatus.INFRA_ERROR)], success_threshold=0.9)
-    assert [t.task_id for t in kept] == [1, 3]
+def test_keep_successes_keeps_the_verifier_s_successes_whatever_the_reward():
+    kept = keep_successes([_t(1, [1], 1.0), _t(2, [2], 0.5, EpisodeStatus.FAILURE), _t(3, [3], 0.2),
+                           _t(4, [4], 1.0, EpisodeStatus.INFRA_ERROR), _t(5, [5], 0.97, EpisodeStatus.MAX_TURNS)])
+    assert [t.task_id for t in kept] == [1, 3]  # 5: shaped credit near 1 is still a failure
 
 
 def test_merge_dedups_by_task_and_token_sequence_keeping_base_first():

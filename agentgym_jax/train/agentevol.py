@@ -4,7 +4,7 @@ Iteration 0 is behaviour cloning on the base demonstrations (oracle episodes of 
 training tasks). Each iteration i >= 1 explores: the policy of iteration i - 1 plays
 `agentevol.group_size` episodes of every exploration task (`agentevol.explore_tasks`
 training tasks, a superset of the demonstration tasks) at `agentevol.temperature`; the episodes
-whose reward reaches the environment's success threshold are kept, merged with the base
+the environment's verifier calls a success are kept, merged with the base
 demonstrations and deduplicated by (task, token sequence); the policy is trained on that set,
 from the base model (`agentevol.from_base`, the paper's choice) or continuing from iteration
 i - 1, for `agentevol.epochs` epochs (0: `sft.epochs`); then evaluated greedily on held-out test
@@ -50,9 +50,10 @@ from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
 
 
-def keep_successes(trajectories: Iterable[Trajectory], success_threshold: float) -> list[Trajectory]:
-    """Explored episodes whose reward reaches the environment's success threshold."""
-    return [t for t in trajectories if t.status.is_scored and t.reward >= success_threshold]
+def keep_successes(trajectories: Iterable[Trajectory]) -> list[Trajectory]:
+    """Explored episodes the environment's verifier called a success (not a reward threshold:
+    shaped partial credit may pay a failure as much as the threshold)."""
+    return [t for t in trajectories if t.success]
 
 
 def merge_dedup(base: Sequence[Trajectory], explored: Sequence[Trajectory]) -> list[Trajectory]:
@@ -123,7 +124,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
                 trajectories = setup.gather_trajectories(mine)
                 if is_writer():
                     write_jsonl(str(it_dir / "explored.jsonl"), trajectories, append=False)
-                explored = keep_successes(trajectories, info.success_threshold)
+                explored = keep_successes(trajectories)
             data = merge_dedup(demos, explored)
             if is_writer():
                 write_jsonl(str(it_dir / "data.jsonl"), data, append=False)
