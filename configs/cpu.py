@@ -4,14 +4,16 @@ with per-environment numbers (what each number is and why, beside it).
     python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu
     python -m agentgym_jax.launch --config=configs/cpu.py:maze          # the same
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.horizon.schedule=fixed   # the baseline
+    python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.env.reward_shaping=progress  # opt-in shaping
 
 Only what an environment needs differs from `configs/quickstart.py`: the horizon schedule starts
-where the oracle's demonstrations end (a first stage shorter than the median demonstration gives
-groups of all-zero rewards, so no signal), turns long enough for the environment's actions, an
-episode budget for its observations, and SFT sized to start RL from a weak but non-zero policy.
-Rewards and success are the environment's own (no shaping). Groups whose rewards are all equal
-carry no GRPO signal and are left out (DAPO's dynamic sampling; the shortfall is logged).
-Results, commands and seeds: docs/experiments.md.
+near where the oracle's demonstrations end (a first stage far shorter than the demonstrations gives
+groups of all-zero rewards, so no signal), SFT on the demonstrations that fit the final horizon,
+turns long enough for the environment's actions, an episode budget for its observations, and a
+run that fits 15 minutes of a 2-core CPU. Rewards and success are the environment's own; shaping
+(`env.reward_shaping`, Maze and TextCraft: `progress`) is an explicit per-run option, off here.
+Groups whose rewards are all equal carry no GRPO signal and are left out (DAPO's dynamic sampling;
+the shortfall is logged). Results, commands, seeds and what limits each: docs/experiments.md.
 """
 
 import ml_collections
@@ -19,30 +21,37 @@ import ml_collections
 from configs import quickstart
 
 # Oracle demonstrations measured on the first 60 training tasks (turns median / max): maze 9 / 27,
-# textcraft 2 / 4, babyai 11.5 / 40 (47 of 60 within 40 turns), wordle 4 / 5.
+# textcraft 2 / 4, babyai 2 / 40 with the oracle's high-level shortcut (40% of tasks in <= 4
+# turns, 55% in <= 12), wordle 4 / 5.
 RECIPES = {
     "maze": dict(
-        rounds=(10, 15, 20),  # starts at the demonstrations' median of 9 moves; the longest need 27
+        rounds=(8, 12, 16),  # around the demonstrations' median of 9 moves; 16 holds ~80% of them
         max_tokens_per_turn=16,  # "Action: move up" and a short thought
-        max_response_length=3072,  # 20 turns of a ~100-token wall description and an action
-        sft_epochs=12,
+        max_response_length=2560,  # 16 turns of a ~100-token wall description and an action
+        sft_tasks=200,
+        sft_epochs=8,  # 104 updates, ~3 minutes
+        steps=18,  # 64 episodes of up to 16 turns make the last stage's steps ~45 s: 18 steps fit the budget
     ),
     "textcraft": dict(
         rounds=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
         max_tokens_per_turn=24,  # "Action: craft 4 oak planks using 1 oak log" in a 1024-token BPE
         max_response_length=1536,
+        sft_tasks=200,
         sft_epochs=6,
+        steps=18,  # ~600-token command lists make a step ~30 s: 18 fit the budget
     ),
     "babyai": dict(
-        rounds=(12, 18, 24),  # the median demonstration is 11.5 turns; 24 covers ~80% of them
-        max_tokens_per_turn=16,  # "Action: go forward", "Action: pick up red ball 1"
-        max_response_length=4096,  # each observation lists what the agent sees (~100 tokens)
-        sft_epochs=6,
+        rounds=(4, 8, 12),  # 40% of tasks take <= 4 turns (a target in view: one high-level action)
+        max_tokens_per_turn=20,  # "Action: toggle and go through red door 1"
+        max_response_length=1536,  # each observation lists what the agent sees (~60-100 tokens)
+        sft_tasks=400,  # about half fit 12 turns: ~225 demonstrations
+        sft_epochs=4,
     ),
     "wordle": dict(
         rounds=(6,),  # Wordle's own limit of six guesses: nothing to schedule
         max_tokens_per_turn=16,  # a five-letter guess
         max_response_length=1024,  # six feedback lines
+        sft_tasks=200,
         sft_epochs=6,
     ),
 }
@@ -60,9 +69,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.max_response_length = recipe["max_response_length"]
     config.rollout.max_cache_len = 512 + recipe["max_response_length"]  # the prompt (instruction, first observation) + the episode
     config.horizon.rounds = recipe["rounds"]
+    config.train.steps = recipe.get("steps", config.train.steps)  # the quickstart's 24 unless the budget needs fewer
+    config.horizon.steps_per_stage = config.train.steps // len(recipe["rounds"])  # equal stages
     config.eval.horizon = recipe["rounds"][-1]  # held-out episodes get the final horizon
     config.eval.num_tasks = 64  # at least 50 held-out tasks (maze has 50: all of them)
+    config.sft.num_tasks = recipe["sft_tasks"]
     config.sft.epochs = recipe["sft_epochs"]
+    config.sft.max_turns = recipe["rounds"][-1]  # a demonstration longer than the final horizon shows what RL cannot do
     config.algo.dynamic_sampling = True
     # Episodes end anywhere from a few turns to the horizon: 4 micro-batches of like lengths, each
     # run at the shortest of the batch's length, its half or its quarter that holds it (exact).
