@@ -112,3 +112,18 @@ def test_the_cpu_recipe_names_its_environments():
 
     with pytest.raises(ValueError, match="valid: maze, textcraft, babyai, wordle"):
         cpu.get_config("room")
+
+
+@pytest.mark.parametrize("env", ["maze", "textcraft", "babyai", "wordle"])
+def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env):
+    """Issue #15's rules for the recipes: the environment's own reward unless a run opts in, SFT only
+    on demonstrations the final horizon holds, and every horizon stage as long as the others."""
+    from agentgym_jax.rl.horizon import from_config
+    from configs import cpu
+
+    config = cpu.get_config(env)
+    assert config.env.reward_shaping == ""
+    schedule = from_config(config.horizon)
+    stages = [schedule.stage(step) for step in range(config.train.steps)]
+    assert [stages.count(k) for k in range(len(config.horizon.rounds))] == [config.horizon.steps_per_stage] * len(config.horizon.rounds)
+    assert config.sft.max_turns == config.eval.horizon == config.horizon.rounds[-1]
