@@ -136,6 +136,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.sft = ml_collections.ConfigDict()
     config.sft.num_tasks = 200  # training tasks with an oracle demonstration
     config.sft.max_turns = 100  # oracle episodes stop here; a longer demonstration is left out of SFT
+    config.sft.oracle = ""  # which oracle demonstrates: "" the environment's own; or one it names (Maze: "local")
     config.sft.epochs = 6  # a weak start on purpose: 20 epochs reach ~86% held-out, leaving RL little to show
     config.sft.batch_size = 16
     config.sft.length_window = 8  # batches sorted by length within runs of 8, each padded to its own longest; 1: unsorted

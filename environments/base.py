@@ -61,6 +61,10 @@ class Environment(abc.ABC):
     # Shaping changes the rewards paid, never `verify` (what counts as success).
     reward_shapings: ClassVar[tuple[str, ...]] = ()
     reward_shaping: str = ""  # this session's choice; "": the environment's own reward
+    # Other oracles a client may ask for (`GET /oracle_action?id=&oracle=<name>`), beside the
+    # default one that solves every task: e.g. Maze's `local`, which acts only on what an
+    # observation shows, so a policy can learn to imitate it (`named_oracle_action`).
+    oracles: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abc.abstractmethod
@@ -95,6 +99,10 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def oracle_action(self) -> str:
         """The oracle's next action from the current state; following it solves the task."""
+
+    def named_oracle_action(self, oracle: str) -> str:
+        """The next action of `oracle`, one of `oracles` (the server checks the name)."""
+        raise NotImplementedError(f"{self.name} lists oracles {self.oracles} but serves none of them")
 
     @classmethod
     def check_create(cls, body: dict[str, Any]) -> None:

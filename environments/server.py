@@ -257,8 +257,15 @@ class EnvServer:
     async def oracle_action(self, request: web.Request) -> web.Response:
         if not self.env_cls.has_oracle:
             raise ProtocolError(f"{self.env_cls.name} has no oracle", 501)
-        action = await self._query(request, "/oracle_action", lambda env: env.oracle_action(), refuse_done=True)
-        return web.json_response({"action": action})
+        oracle = request.query.get("oracle", "")
+        if not oracle:
+            action = await self._query(request, "/oracle_action", lambda env: env.oracle_action(), refuse_done=True)
+            return web.json_response({"action": action})
+        if oracle not in self.env_cls.oracles:
+            valid = ", ".join(repr(o) for o in self.env_cls.oracles) or "none besides the default"
+            raise ProtocolError(f"{self.env_cls.name} has no oracle {oracle!r}; valid: {valid}")
+        action = await self._query(request, "/oracle_action", lambda env: env.named_oracle_action(oracle), refuse_done=True)
+        return web.json_response({"action": action, "oracle": oracle})  # the confirmation a client checks
 
     def extra_query(self, name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:

@@ -332,6 +332,56 @@ def test_client_raises_typed_errors(maze):
     assert not isinstance(refused, EnvServerError) and not isinstance(refused, EnvRequestTimeout)
 
 
+def test_a_named_oracle_is_confirmed_by_the_server_and_an_unknown_one_refused(maze):
+    """`oracle_action(slot, "local")` plays Maze's local oracle; a name the environment lacks is a 400."""
+    from environments.maze import layouts
+    from environments.maze.env import MazeEnv
+
+    async def main():
+        async with EnvPool(maze.urls["maze"], max_retries=0) as pool:
+            await pool.reset(0, 250)
+            local, default = await pool.oracle_action(0, "local"), await pool.oracle_action(0)
+            with pytest.raises(EnvServerError) as unknown:
+                await pool.oracle_action(0, "shortest")
+            return local, default, unknown.value
+
+    local, default, unknown = asyncio.run(asyncio.wait_for(main(), 30))
+    layout, start, goal = MazeEnv.task_setup(250)
+    assert local == layouts.local_move(layout, start, goal, None)
+    assert default == layouts.next_move(layout, layouts.distances_to(layout, goal), start)
+    assert unknown.status == 400 and "maze has no oracle 'shortest'; valid: 'local'" in unknown.message
+    with pytest.raises(ValueError, match="AgentGym's servers have no oracles"):
+        asyncio.run(DialectClient(maze.urls["maze"], None, dialect="maze").oracle_action("0", "local"))
+
+
+def test_sft_demonstrations_come_from_the_configured_oracle_and_a_bad_name_stops_the_job(maze):
+    """`sft.oracle=local`: the recipe's SFT episodes replay `layouts.local_move`; a name Maze lacks
+    is a clear error before any model is built, not an empty SFT set."""
+    from configs import cpu
+    from environments.maze import layouts
+    from environments.maze.env import MazeEnv
+
+    from agentgym_jax.train import jobs
+
+    config = cpu.get_config("maze")
+    config.sft.num_tasks = 6
+    episodes = jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
+    assert len(episodes) == 6 and sum(ep.status is S.SUCCESS for ep in episodes) >= 2
+    for ep in episodes:
+        layout, position, goal = MazeEnv.task_setup(ep.data_idx)
+        last = None
+        for turn in ep.turns:
+            move = layouts.local_move(layout, position, goal, last)
+            assert turn.action == f"Action: {move}"
+            dx, dy = layouts.MOVES[move]
+            position = (position[0] + dx, position[1] + dy) if layouts.is_open(layout, (position[0] + dx, position[1] + dy)) else position
+            last = move
+        assert (position == goal) == (ep.status is S.SUCCESS)
+    config.sft.oracle = "shortest"
+    with pytest.raises(RuntimeError, match="every oracle episode failed .*maze has no oracle 'shortest'; valid: 'local'"):
+        jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
+
+
 def test_reward_shaping_is_asked_of_every_session_and_refused_where_a_server_has_none(maze):
     """`reward_shaping` goes to every /create; the server confirms it and pays it; success is the same."""
     async def play(url, shaping, task_id):

@@ -159,3 +159,35 @@ def test_progress_shaping_is_opt_in_potential_based_and_leaves_success_alone():
     assert [r.reward for r in results[:-1]] == [step] * 13
     # A failed episode stays below 1 whatever it does: at most (MAX_DISTANCE - 1) steps of progress.
     assert maze.PROGRESS_REWARD * (maze.MAX_DISTANCE - 1) < 1.0
+
+
+def test_local_oracle_moves_towards_the_goal_on_what_it_sees_and_turns_back_only_at_a_dead_end():
+    corridor = ("#######", "#.....#", "#######")
+    assert layouts.local_move(corridor, (1, 3), (1, 5), None) == "move right"
+    assert layouts.local_move(corridor, (1, 3), (1, 1), "move right") == "move right"  # the goal is behind: no turning back
+    assert layouts.local_move(corridor, (1, 5), (1, 1), "move right") == "move left"  # a dead end: back is all there is
+    # On TWO_ROUTES the walker heads right towards the goal, dead-ends in column 5 and finds its way
+    # down and around: 18 moves where the shortest-path oracle's 14 start downwards.
+    env, moves = MazeEnv(), []
+    env.start(TWO_ROUTES, (1, 1), (1, 7))
+    while not env.verify():
+        moves.append(env.named_oracle_action("local"))
+        env.step(moves[-1])
+    assert moves == ["move right"] * 4 + ["move down"] * 2 + ["move left"] * 2 + ["move down"] * 2 + \
+        ["move right"] * 4 + ["move up"] * 4
+    env.start(TWO_ROUTES, (1, 1), (1, 7))
+    assert env.oracle_action() == "move down"
+
+
+def test_local_oracle_solves_about_half_the_test_tasks_within_twelve_moves():
+    """The figure `layouts.local_move` and configs/cpu.py quote, replayed on the test layouts."""
+    test_ids = MazeEnv.task_info().splits["test"]
+    solved = 0
+    for task_id in test_ids:
+        env = MazeEnv()
+        env.reset(task_id)
+        for _ in range(12):
+            if env.step(env.named_oracle_action("local")).done:
+                break
+        solved += env.verify()
+    assert solved / len(test_ids) == 0.52

@@ -130,8 +130,16 @@ class EnvClient:
         body = await self.request("GET", "/available_actions", params={"id": session_id})
         return list(_field(body, "available_actions"))
 
-    async def oracle_action(self, session_id: SessionId) -> str:
-        return _field(await self.request("GET", "/oracle_action", params={"id": session_id}), "action")
+    async def oracle_action(self, session_id: SessionId, oracle: str = "") -> str:
+        """The next action of the environment's oracle, or of the one named `oracle` (which the
+        server must confirm: one that ignored the name would answer with its default oracle)."""
+        if not oracle:
+            return _field(await self.request("GET", "/oracle_action", params={"id": session_id}), "action")
+        answer = await self.request("GET", "/oracle_action", params={"id": session_id, "oracle": oracle})
+        if not isinstance(answer, dict) or answer.get("oracle") != oracle:
+            raise EnvServerError(400, f"the server did not confirm oracle={oracle!r} (an older server ignores it)",
+                                 self.url + "/oracle_action")
+        return _field(answer, "action")
 
     async def close(self, session_id: SessionId) -> None:
         await self.request("POST", "/close", body={"id": session_id})

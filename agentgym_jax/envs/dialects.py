@@ -160,8 +160,10 @@ class DialectClient(EnvClient):
             answer = answer.get("available_actions", answer.get("clickables", []))
         return [str(a) for a in answer]
 
-    async def oracle_action(self, session_id: SessionId) -> str:
+    async def oracle_action(self, session_id: SessionId, oracle: str = "") -> str:
         """Only our servers have an oracle; AgentGym's answer 404."""
+        if oracle:
+            raise ValueError(f"oracle={oracle!r}: AgentGym's servers have no oracles")
         answer = await self._send("GET", "/oracle_action", session_id)
         return str(answer["action"] if isinstance(answer, dict) else answer)
 

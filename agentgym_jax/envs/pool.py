@@ -247,13 +247,14 @@ class EnvPool:
             await self._release_session(state)  # a waiting reset (any slot) may take it
         return SlotResult(slot, result.observation, result.reward, result.done, result.info, status)
 
-    async def oracle_action(self, slot: int) -> str:
-        """The oracle's next action for the slot's live episode (raises `EnvError` on failure)."""
+    async def oracle_action(self, slot: int, oracle: str = "") -> str:
+        """The next action of the environment's oracle (or the one named `oracle`) for the slot's
+        live episode (raises `EnvError` on failure)."""
         state = self._slots.get(slot)
         if state is None or state.session_id is None:
             raise ValueError(f"slot {slot} has no session: reset it first")
         try:
-            return await self._call(state, lambda c: c.oracle_action(state.session_id), idempotent=True)
+            return await self._call(state, lambda c: c.oracle_action(state.session_id, oracle), idempotent=True)
         except _EpisodeEnded as e:
             raise e.cause from None
 

@@ -1,6 +1,7 @@
 """Oracle demonstrations as token-exact trajectories (the SFT warm start, AgentTraj-style data).
 
-Each task is played through `EnvPool.run_episode` with the environment's oracle (`/oracle_action`);
+Each task is played through `EnvPool.run_episode` with the environment's oracle (`/oracle_action`,
+or the one named `oracle`, e.g. Maze's `local`);
 every oracle action is rendered as assistant text (`action_format`, default `"Action: <action>"`)
 and that very text is what the server receives and parses. The trajectory is built with the same
 `Transcript` as the rollout engine: the same first prompt, each assistant turn as
@@ -55,18 +56,24 @@ def demonstration_trajectory(
 
 
 async def play_oracle_episodes(
-    pool: EnvPool, task_ids: Sequence[int], *, horizon: int = 100, action_format: str = ACTION_ONLY
+    pool: EnvPool,
+    task_ids: Sequence[int],
+    *,
+    horizon: int = 100,
+    action_format: str = ACTION_ONLY,
+    oracle: str = "",
 ) -> list[Episode]:
     """Plays every task with the oracle, concurrently, on an open pool; the raw transcripts.
 
     `action_format` is a `str.format` pattern with an `{action}` field; its rendering is the
-    text the server receives and parses, and the assistant text of the demonstration.
+    text the server receives and parses, and the assistant text of the demonstration. `oracle`:
+    one the environment names (`Environment.oracles`), "" its default.
     """
     _check_action_format(action_format)
 
     async def policy(slot: int, observation: str) -> str:
         del observation
-        return action_format.format(action=await pool.oracle_action(slot))
+        return action_format.format(action=await pool.oracle_action(slot, oracle))
 
     return list(await asyncio.gather(*(pool.run_episode(int(t), policy, horizon) for t in task_ids)))
 
@@ -80,10 +87,11 @@ async def play_demonstrations(
     horizon: int = 100,
     prompt_style: PromptStyle | str = PromptStyle.SHORT,
     action_format: str = ACTION_ONLY,
+    oracle: str = "",
     group_offset: int = 0,
 ) -> list[Trajectory]:
     """`play_oracle_episodes`, each turned into a token-exact trajectory (one per task)."""
-    episodes = await play_oracle_episodes(pool, task_ids, horizon=horizon, action_format=action_format)
+    episodes = await play_oracle_episodes(pool, task_ids, horizon=horizon, action_format=action_format, oracle=oracle)
     return [
         demonstration_trajectory(framing, task_info, ep, group_id=group_offset + i, prompt_style=prompt_style)
         for i, ep in enumerate(episodes)

@@ -101,7 +101,9 @@ def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: Ta
     """This process's share of the oracle episodes of `sft.num_tasks` training tasks (SFT data
     and tokenizer text): tasks with an oracle only, where an environment lists them
     (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena). An episode stops at `sft.max_turns`,
-    so a demonstration longer than that ends `max_turns`, unsuccessful, and SFT leaves it out."""
+    so a demonstration longer than that ends `max_turns`, unsuccessful, and SFT leaves it out.
+    `sft.oracle` names another of the environment's oracles (Maze's `local`); a name it lacks, or
+    servers that fail every episode, stop the job here with the server's answer."""
     train_ids = oracle_train_ids(info)
     task_ids, _ = process_share(task_batch(train_ids, 0, config.sft.num_tasks, config.seed + 1),
                                 "sft.num_tasks", even=False)
@@ -111,9 +113,13 @@ def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: Ta
     async def play() -> list[Episode]:
         async with setup.make_pool(config.env, urls) as pool:
             return await play_oracle_episodes(pool, task_ids, horizon=config.sft.max_turns,
-                                              action_format=config.rollout.action_format)
+                                              action_format=config.rollout.action_format, oracle=config.sft.oracle)
 
-    return run_sync(play())
+    episodes = run_sync(play())
+    failed = [ep for ep in episodes if ep.status is EpisodeStatus.INFRA_ERROR]
+    if len(failed) == len(episodes):
+        raise RuntimeError(f"every oracle episode failed (sft.oracle={config.sft.oracle!r}); the first: {failed[0].error}")
+    return episodes
 
 
 def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:

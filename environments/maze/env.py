@@ -6,6 +6,11 @@ AgentGym's maze prompts and trajectories read the same here. Reward 1 on reachin
 goal): `TASKS_PER_LAYOUT` start/goal pairs on each of `NUM_LAYOUTS` generated layouts; the last
 `TEST_LAYOUTS` layouts are held out as the test split.
 
+Two oracles: the default follows a shortest path (it solves every task, but its moves depend on
+walls no observation shows, so a policy cloned on them learns little on unseen layouts); `local`
+(`GET /oracle_action?oracle=local`, `layouts.local_move`) acts only on what the observation and
+its last move show, and is what the CPU recipe clones (`configs/cpu.py`).
+
 Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default; `environments/shaping.py`):
 each move earns `progress_reward` times the decrease of the shortest-path distance to the goal
 (negative when it moves away), the goal the rest of 1; a failed episode stays below 1, since
@@ -85,6 +90,7 @@ class MazeEnv(Environment):
     route_prefixes = ("/maze",)  # AgentGym's LMRL-Gym server serves the maze under /maze
     max_steps: ClassVar[int] = MAX_STEPS
     reward_shapings = ("progress",)
+    oracles = ("local",)  # `layouts.local_move`: acts on what observations show (SFT data a small policy can learn)
     progress_reward: ClassVar[float] = PROGRESS_REWARD
 
     def __init__(self) -> None:
@@ -92,6 +98,7 @@ class MazeEnv(Environment):
         self.position: Position = (0, 0)
         self.goal: Position = (0, 0)
         self.steps = 0
+        self.last_move: str | None = None
         self._dist: dict[Position, int] = {}
         self._observation = ""
         self._credit = ProgressCredit(self.progress_reward)
@@ -135,6 +142,7 @@ class MazeEnv(Environment):
         if start not in self._dist:
             raise ValueError(f"goal {goal} is unreachable from {start}")
         self.steps = 0
+        self.last_move = None
         self._credit.reset()
         self._observation = self._describe()
         return self._observation
@@ -152,6 +160,7 @@ class MazeEnv(Environment):
         self.steps += 1
         before = self._dist[self.position]
         move = MOVES.get(action)
+        self.last_move = action if move is not None else None
         if move is not None:
             target = (self.position[0] + move[0], self.position[1] + move[1])
             if layouts.is_open(self.layout, target):
@@ -180,3 +189,7 @@ class MazeEnv(Environment):
 
     def oracle_action(self) -> str:
         return layouts.next_move(self.layout, self._dist, self.position)
+
+    def named_oracle_action(self, oracle: str) -> str:
+        del oracle  # "local", the only one the server lets through
+        return layouts.local_move(self.layout, self.position, self.goal, self.last_move)
