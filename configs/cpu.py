@@ -8,9 +8,10 @@ with per-environment numbers (what each number is and why, beside it).
 
 Only what an environment needs differs from `configs/quickstart.py`: the horizon schedule starts
 near where the oracle's demonstrations end (a first stage far shorter than the demonstrations gives
-groups of all-zero rewards, so no signal), SFT on the demonstrations that fit the final horizon,
+groups of all-zero rewards, so no signal), SFT on the demonstrations that fit the final horizon
+(Maze: from an oracle whose moves its observations explain, and long enough to learn them),
 turns long enough for the environment's actions, an episode budget for its observations, and a
-run that fits 15 minutes of a 2-core CPU. Rewards and success are the environment's own; shaping
+run that fits 15 minutes of a 2-core CPU (Maze's takes ~20: its SFT needs 10). Rewards and success are the environment's own; shaping
 (`env.reward_shaping`, Maze and TextCraft: `progress`) is an explicit per-run option, off here.
 Groups whose rewards are all equal carry no GRPO signal and are left out (DAPO's dynamic sampling;
 the shortfall is logged). Results, commands, seeds and what limits each: docs/experiments.md.
