@@ -258,14 +258,13 @@ class EnvServer:
         if not self.env_cls.has_oracle:
             raise ProtocolError(f"{self.env_cls.name} has no oracle", 501)
         oracle = request.query.get("oracle", "")
-        if not oracle:
-            action = await self._query(request, "/oracle_action", lambda env: env.oracle_action(), refuse_done=True)
-            return web.json_response({"action": action})
-        if oracle not in self.env_cls.oracles:
+        if oracle and oracle not in self.env_cls.oracles:
             valid = ", ".join(repr(o) for o in self.env_cls.oracles) or "none besides the default"
             raise ProtocolError(f"{self.env_cls.name} has no oracle {oracle!r}; valid: {valid}")
-        action = await self._query(request, "/oracle_action", lambda env: env.named_oracle_action(oracle), refuse_done=True)
-        return web.json_response({"action": action, "oracle": oracle})  # the confirmation a client checks
+        read = (lambda env: env.named_oracle_action(oracle)) if oracle else (lambda env: env.oracle_action())
+        action = await self._query(request, "/oracle_action", read, refuse_done=True)
+        # A named oracle is echoed: the confirmation a client checks.
+        return web.json_response({"action": action, **({"oracle": oracle} if oracle else {})})
 
     def extra_query(self, name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:

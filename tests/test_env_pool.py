@@ -367,16 +367,14 @@ def test_sft_demonstrations_come_from_the_configured_oracle_and_a_bad_name_stops
     config.sft.num_tasks = 6
     episodes = jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
     assert len(episodes) == 6 and sum(ep.status is S.SUCCESS for ep in episodes) >= 2
-    for ep in episodes:
-        layout, position, goal = MazeEnv.task_setup(ep.data_idx)
-        last = None
+    for ep in episodes:  # replayed on an environment of this process
+        env = MazeEnv()
+        env.reset(ep.data_idx)
         for turn in ep.turns:
-            move = layouts.local_move(layout, position, goal, last)
+            move = layouts.local_move(env.layout, env.position, env.goal, env.last_move)
             assert turn.action == f"Action: {move}"
-            dx, dy = layouts.MOVES[move]
-            position = (position[0] + dx, position[1] + dy) if layouts.is_open(layout, (position[0] + dx, position[1] + dy)) else position
-            last = move
-        assert (position == goal) == (ep.status is S.SUCCESS)
+            env.step(move)
+        assert env.verify() == (ep.status is S.SUCCESS)
     config.sft.oracle = "shortest"
     with pytest.raises(RuntimeError, match="every oracle episode failed .*maze has no oracle 'shortest'; valid: 'local'"):
         jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())

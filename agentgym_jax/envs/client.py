@@ -133,10 +133,8 @@ class EnvClient:
     async def oracle_action(self, session_id: SessionId, oracle: str = "") -> str:
         """The next action of the environment's oracle, or of the one named `oracle` (which the
         server must confirm: one that ignored the name would answer with its default oracle)."""
-        if not oracle:
-            return _field(await self.request("GET", "/oracle_action", params={"id": session_id}), "action")
-        answer = await self.request("GET", "/oracle_action", params={"id": session_id, "oracle": oracle})
-        if not isinstance(answer, dict) or answer.get("oracle") != oracle:
+        answer = await self.request("GET", "/oracle_action", params={"id": session_id, **({"oracle": oracle} if oracle else {})})
+        if oracle and (not isinstance(answer, dict) or answer.get("oracle") != oracle):
             raise EnvServerError(400, f"the server did not confirm oracle={oracle!r} (an older server ignores it)",
                                  self.url + "/oracle_action")
         return _field(answer, "action")
