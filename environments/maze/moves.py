@@ -1,0 +1,100 @@
+r"""What a Maze policy's moves do, replayed on the environment: where success alone says nothing.
+
+    python -m environments.maze.moves --tokenizer=runs/maze_cpu/tokenizer runs/eval/trajectories.jsonl
+
+Each policy turn of each Maze episode is decoded with the policy's tokenizer, parsed as the server
+parses it (`MazeEnv.parse_action`) and stepped on a fresh `MazeEnv` of the same task, so the
+counts come from the environment's own rules, not from reading its observation text. A move is
+`into_wall` (a valid move that left the agent where it was), `closer` (the shortest-path distance
+to the goal fell), `revisit` (it ended on a square the episode had already stood on) or
+`invalid` (not one of the four moves). Rates are over all policy turns of the file(s); RL
+trajectory files give one line per policy version (RL step), evaluation files one line.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+from absl import app, flags
+
+from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
+from environments.maze import layouts
+from environments.maze.env import MazeEnv
+
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "the policy's tokenizer folder (<RL workdir>/tokenizer)", required=True)
+
+
+@dataclasses.dataclass
+class MoveCounts:
+    episodes: int = 0
+    moves: int = 0
+    into_wall: int = 0
+    closer: int = 0
+    revisit: int = 0
+    invalid: int = 0
+    success: int = 0
+
+    def add(self, other: MoveCounts) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    def rates(self) -> dict[str, float]:
+        """Per-move rates, and success per episode."""
+        per_move = {k: getattr(self, k) / max(self.moves, 1) for k in ("into_wall", "closer", "revisit", "invalid")}
+        return {"episodes": self.episodes, "moves": self.moves, **per_move, "success": self.success / max(self.episodes, 1)}
+
+
+def replay(env: MazeEnv, responses: Sequence[str]) -> MoveCounts:
+    """Steps an episode's policy responses on `env`, just started on its task; stops where the episode ended."""
+    distance = layouts.distances_to(env.layout, env.goal)
+    counts = MoveCounts(episodes=1)
+    visited = {env.position}
+    for response in responses:
+        action = MazeEnv.parse_action(response)
+        before = env.position
+        result = env.step(action or "")
+        counts.moves += 1
+        if action not in layouts.MOVES:
+            counts.invalid += 1
+        elif env.position == before:
+            counts.into_wall += 1
+        else:
+            counts.closer += distance[env.position] < distance[before]
+            counts.revisit += env.position in visited
+        visited.add(env.position)
+        if result.done:
+            break
+    counts.success = int(env.verify())
+    return counts
+
+
+def count_moves(trajectories: Iterable[Trajectory], decode: Callable[[list[int]], str]) -> dict[int, MoveCounts]:
+    """Policy version -> the summed counts of its Maze episodes (other environments are skipped)."""
+    by_version: dict[int, MoveCounts] = collections.defaultdict(MoveCounts)
+    for trajectory in trajectories:
+        if trajectory.env != "maze":
+            continue
+        responses = [decode(trajectory.token_ids[start:end]) for start, end in trajectory.turn_spans]
+        env = MazeEnv()
+        env.reset(trajectory.task_id)
+        by_version[trajectory.policy_version].add(replay(env, responses))
+    return dict(sorted(by_version.items()))
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) < 2:
+        raise app.UsageError("give one or more trajectories.jsonl files")
+    tokenizer = load_tokenizer(_TOKENIZER.value)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    for path in argv[1:]:
+        for version, counts in count_moves(read_jsonl(path), decode).items():
+            rates = counts.rates()
+            print(f"{path} policy_version={version} episodes={rates['episodes']} moves={rates['moves']} "
+                  + " ".join(f"{k}={rates[k]:.3f}" for k in ("into_wall", "closer", "revisit", "invalid", "success")))
+
+
+if __name__ == "__main__":
+    app.run(main)

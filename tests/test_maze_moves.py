@@ -1,0 +1,65 @@
+"""environments/maze/moves.py: each policy turn replayed and classified by the environment's rules."""
+
+from __future__ import annotations
+
+from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.rollout.trajectory import Trajectory
+from environments.maze import env as maze
+from environments.maze.env import MazeEnv
+from environments.maze.moves import count_moves, replay
+from tests.test_maze import TWO_ROUTES
+
+
+def test_replay_classifies_each_move_by_the_layout():
+    env = MazeEnv()
+    env.start(TWO_ROUTES, (1, 1), (1, 7))  # shortest route: down 4, right 6, up 4 (14 moves)
+    responses = [
+        "Action: move up",  # a wall above (1, 1): stays
+        "Thought: right is shorter\nAction: move right",  # (1, 2): the shortest path goes down, so farther
+        "Action: move left",  # back to (1, 1): closer, and a square already stood on
+        "Action: jump",  # invalid
+        "Action: move down",  # (2, 1): closer
+    ]
+    counts = replay(env, responses)
+    assert (counts.moves, counts.into_wall, counts.invalid, counts.closer, counts.revisit) == (5, 1, 1, 2, 1)
+    assert counts.success == 0 and counts.episodes == 1
+    rates = counts.rates()
+    assert rates["into_wall"] == 0.2 and rates["closer"] == 0.4 and rates["success"] == 0.0
+
+
+def test_replay_stops_at_the_goal_and_counts_the_success():
+    oracle = MazeEnv()
+    oracle.start(TWO_ROUTES, (1, 5), (1, 7))  # a wall between: the way round takes 14 moves
+    route = []
+    while not oracle.verify():
+        route.append(oracle.oracle_action())
+        oracle.step(route[-1])
+    assert len(route) == 14
+    env = MazeEnv()
+    env.start(TWO_ROUTES, (1, 5), (1, 7))
+    counts = replay(env, [f"Action: {m}" for m in route] + ["Action: move down"])  # the extra turn is never played
+    assert (counts.moves, counts.closer, counts.into_wall, counts.revisit, counts.success) == (14, 14, 0, 0, 1)
+
+
+def test_count_moves_groups_by_policy_version_and_skips_other_environments():
+    vocab = ["Action: move up", "Action: move down", "hello"]  # token id i decodes to vocab[i]
+
+    def trajectory(env_name: str, version: int, ids: list[int]) -> Trajectory:
+        tokens = [2] + ids  # a prompt token, then one policy turn per id
+        return Trajectory(task_id=0, env=env_name, group_id=0, token_ids=tokens, loss_mask=[0] + [1] * len(ids),
+                          logprobs=[0.0] * len(tokens), turn_spans=[(i + 1, i + 2) for i in range(len(ids))],
+                          turn_rewards=[0.0] * len(ids), reward=0.0, status=EpisodeStatus.MAX_TURNS,
+                          policy_version=version)
+
+    _, start, _ = maze.task(0)
+    layout = maze.layouts.maze_layout(0)
+    one_up, two_up = (start[0] - 1, start[1]), (start[0] - 2, start[1])
+    # episode [up]: into a wall unless one_up is open; episode [up, up]: the same, then from wherever it stands
+    first = not maze.layouts.is_open(layout, one_up)
+    second = 2 if first else int(not maze.layouts.is_open(layout, two_up))
+    runs = [trajectory("maze", 0, [0]), trajectory("maze", 0, [0, 0]), trajectory("maze", 3, [1]),
+            trajectory("room", 3, [0, 0, 0])]
+    by_version = count_moves(runs, lambda ids: "".join(vocab[i] for i in ids))
+    assert sorted(by_version) == [0, 3]
+    assert (by_version[0].episodes, by_version[0].moves, by_version[3].episodes, by_version[3].moves) == (2, 3, 1, 1)
+    assert by_version[0].into_wall == int(first) + second
