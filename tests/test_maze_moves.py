@@ -6,7 +6,7 @@ from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.rollout.trajectory import Trajectory
 from environments.maze import env as maze
 from environments.maze.env import MazeEnv
-from environments.maze.moves import count_moves, replay
+from environments.maze.moves import count_moves, oracle_moves, replay
 from tests.test_maze import TWO_ROUTES
 
 
@@ -63,3 +63,15 @@ def test_count_moves_groups_by_policy_version_and_skips_other_environments():
     assert sorted(by_version) == [0, 3]
     assert (by_version[0].episodes, by_version[0].moves, by_version[3].episodes, by_version[3].moves) == (2, 3, 1, 1)
     assert by_version[0].into_wall == int(first) + second
+
+
+def test_oracle_moves_match_what_the_layouts_allow():
+    test_ids = MazeEnv.task_info().splits["test"]
+    shortest = oracle_moves("shortest", test_ids, max_moves=16)
+    within = 0
+    for task_id in test_ids:  # solved within 16 moves iff the shortest path is that short
+        layout_idx, start, goal = maze.task(task_id)
+        within += maze.layouts.distances_to(maze.layouts.maze_layout(layout_idx), goal)[start] <= 16
+    assert shortest.success == within and shortest.closer == shortest.moves and shortest.into_wall == 0
+    local = oracle_moves("local", test_ids, max_moves=12)
+    assert local.success / len(test_ids) == 0.52 and local.into_wall == 0  # test_maze.py's figure, counted here

@@ -1,6 +1,7 @@
 r"""What a Maze policy's moves do, replayed on the environment: where success alone says nothing.
 
     python -m environments.maze.moves --tokenizer=runs/maze_cpu/tokenizer runs/eval/trajectories.jsonl
+    python -m environments.maze.moves --oracle=local --split=test --max_moves=16    # the reference
 
 Each policy turn of each Maze episode is decoded with the policy's tokenizer, parsed as the server
 parses it (`MazeEnv.parse_action`) and stepped on a fresh `MazeEnv` of the same task, so the
@@ -24,7 +25,10 @@ from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
 from environments.maze import layouts
 from environments.maze.env import MazeEnv
 
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "the policy's tokenizer folder (<RL workdir>/tokenizer)", required=True)
+_TOKENIZER = flags.DEFINE_string("tokenizer", "", "the policy's tokenizer folder (<RL workdir>/tokenizer)")
+_ORACLE = flags.DEFINE_enum("oracle", "", ["", "shortest", "local"], "instead of files: an oracle's moves on --split")
+_SPLIT = flags.DEFINE_enum("split", "test", ["train", "test"], "the oracle's tasks")
+_MAX_MOVES = flags.DEFINE_integer("max_moves", 16, "the oracle's horizon (the CPU recipe's final one: 16)")
 
 
 @dataclasses.dataclass
@@ -84,16 +88,43 @@ def count_moves(trajectories: Iterable[Trajectory], decode: Callable[[list[int]]
     return dict(sorted(by_version.items()))
 
 
+def oracle_moves(oracle: str, task_ids: Iterable[int], max_moves: int) -> MoveCounts:
+    """The counts of an oracle ("shortest" or "local") playing each task for at most `max_moves`."""
+    total = MoveCounts()
+    for task_id in task_ids:
+        player = MazeEnv()
+        player.reset(task_id)
+        responses = []
+        for _ in range(max_moves):
+            action = player.oracle_action() if oracle == "shortest" else player.named_oracle_action(oracle)
+            responses.append(f"Action: {action}")
+            if player.step(action).done:
+                break
+        env = MazeEnv()
+        env.reset(task_id)
+        total.add(replay(env, responses))
+    return total
+
+
+def _line(name: str, counts: MoveCounts) -> str:
+    rates = counts.rates()
+    return (f"{name} episodes={rates['episodes']} moves={rates['moves']} "
+            + " ".join(f"{k}={rates[k]:.3f}" for k in ("into_wall", "closer", "revisit", "invalid", "success")))
+
+
 def main(argv: Sequence[str]) -> None:
-    if len(argv) < 2:
-        raise app.UsageError("give one or more trajectories.jsonl files")
+    if _ORACLE.value:
+        task_ids = MazeEnv.task_info().splits[_SPLIT.value]
+        print(_line(f"oracle={_ORACLE.value} split={_SPLIT.value} max_moves={_MAX_MOVES.value}",
+                    oracle_moves(_ORACLE.value, task_ids, _MAX_MOVES.value)))
+        return
+    if len(argv) < 2 or not _TOKENIZER.value:
+        raise app.UsageError("give --tokenizer and one or more trajectories.jsonl files (or --oracle)")
     tokenizer = load_tokenizer(_TOKENIZER.value)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     for path in argv[1:]:
         for version, counts in count_moves(read_jsonl(path), decode).items():
-            rates = counts.rates()
-            print(f"{path} policy_version={version} episodes={rates['episodes']} moves={rates['moves']} "
-                  + " ".join(f"{k}={rates[k]:.3f}" for k in ("into_wall", "closer", "revisit", "invalid", "success")))
+            print(_line(f"{path} policy_version={version}", counts))
 
 
 if __name__ == "__main__":
