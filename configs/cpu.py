@@ -34,7 +34,8 @@ RECIPES = {
         # what the observation shows (52% of test tasks in 12 moves, 64% of training tasks in 16).
         sft_oracle="local",
         sft_tasks=250,  # every training task: the ~160 the local oracle solves within 16 moves train
-        sft_epochs=40,  # 400 updates, ~10 minutes: at 80 updates the move is still near chance (held-out 8%)
+        sft_epochs=40,  # 400 updates of 16, ~10 minutes: at 80 updates the move is still near chance (held-out
+        #   8%); 400 of 8 (half the time) start at 2% and diverged in RL (docs/experiments.md)
         steps=18,  # 64 episodes of up to 16 turns make the last stage's steps ~30-45 s
     ),
     "textcraft": dict(
