@@ -349,7 +349,7 @@ def test_a_named_oracle_is_confirmed_by_the_server_and_an_unknown_one_refused(ma
     layout, start, goal = MazeEnv.task_setup(250)
     assert local == layouts.local_move(layout, start, goal, None)
     assert default == layouts.next_move(layout, layouts.distances_to(layout, goal), start)
-    assert unknown.status == 400 and "maze has no oracle 'shortest'; valid: 'local'" in unknown.message
+    assert unknown.status == 400 and "maze has no oracle 'shortest'; valid: 'local', 'local_thought'" in unknown.message
     with pytest.raises(ValueError, match="AgentGym's servers have no oracles"):
         asyncio.run(DialectClient(maze.urls["maze"], None, dialect="maze").oracle_action("0", "local"))
 
@@ -376,7 +376,7 @@ def test_sft_demonstrations_come_from_the_configured_oracle_and_a_bad_name_stops
             env.step(move)
         assert env.verify() == (ep.status is S.SUCCESS)
     config.sft.oracle = "shortest"
-    with pytest.raises(RuntimeError, match="every oracle episode failed .*maze has no oracle 'shortest'; valid: 'local'"):
+    with pytest.raises(RuntimeError, match="every oracle episode failed .*maze has no oracle 'shortest'; valid: 'local', 'local_thought'"):
         jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
 
 

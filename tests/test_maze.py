@@ -179,6 +179,25 @@ def test_local_oracle_moves_towards_the_goal_on_what_it_sees_and_turns_back_only
     assert env.oracle_action() == "move down"
 
 
+def test_the_thought_oracle_names_where_the_goal_lies_then_makes_the_local_move():
+    """`local_thought` is `local`'s move after a thought naming the goal's row and column side;
+    the reply parses back to that move, so its episodes are the local oracle's."""
+    assert layouts.goal_direction((5, 7), (3, 9)) == "The goal is above me, to my right."
+    assert layouts.goal_direction((3, 9), (5, 7)) == "The goal is below me, to my left."
+    assert layouts.goal_direction((3, 7), (3, 1)) == "The goal is in my row, to my left."
+    assert layouts.goal_direction((1, 7), (4, 7)) == "The goal is below me, in my column."
+    plain, thought = MazeEnv(), MazeEnv()
+    for env in (plain, thought):
+        env.start(TWO_ROUTES, (1, 1), (1, 7))
+    while not plain.verify():
+        move, reply = plain.named_oracle_action("local"), thought.named_oracle_action("local_thought")
+        assert reply == f"Thought: {layouts.goal_direction(thought.position, thought.goal)}\nAction: {move}"
+        assert MazeEnv.parse_action(reply) == move
+        plain.step(move), thought.step(MazeEnv.parse_action(reply))
+        assert thought.position == plain.position
+    assert thought.verify()
+
+
 def test_local_oracle_solves_about_half_the_test_tasks_within_twelve_moves():
     """The figure `layouts.local_move` and configs/cpu.py quote, replayed on the test layouts."""
     test_ids = MazeEnv.task_info().splits["test"]

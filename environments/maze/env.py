@@ -9,7 +9,9 @@ goal): `TASKS_PER_LAYOUT` start/goal pairs on each of `NUM_LAYOUTS` generated la
 Two oracles: the default follows a shortest path (it solves every task, but its moves depend on
 walls no observation shows, so a policy cloned on them learns little on unseen layouts); `local`
 (`GET /oracle_action?oracle=local`, `layouts.local_move`) acts only on what the observation and
-its last move show, and is what the CPU recipe clones (`configs/cpu.py`).
+its last move show, and is what the CPU recipe clones (`configs/cpu.py`); `local_thought` answers
+the same move as a whole reply, `Thought: The goal is above me, to my right.\nAction: move up`
+(demonstrations render it with `rollout.action_format="{action}"`).
 
 Opt-in shaping (`/create {"reward_shaping": "progress"}`, off by default; `environments/shaping.py`):
 each move earns `progress_reward` times the decrease of the shortest-path distance to the goal
@@ -90,7 +92,10 @@ class MazeEnv(Environment):
     route_prefixes = ("/maze",)  # AgentGym's LMRL-Gym server serves the maze under /maze
     max_steps: ClassVar[int] = MAX_STEPS
     reward_shapings = ("progress",)
-    oracles = ("local",)  # `layouts.local_move`: acts on what observations show (SFT data a small policy can learn)
+    # `local`: `layouts.local_move`, which acts on what observations show (SFT data a small policy can
+    # learn); `local_thought`: the same move as a whole reply, after a thought naming where the goal lies
+    # (`layouts.goal_direction`), so the comparison of positions is written out before the move.
+    oracles = ("local", "local_thought")
     progress_reward: ClassVar[float] = PROGRESS_REWARD
 
     def __init__(self) -> None:
@@ -191,5 +196,7 @@ class MazeEnv(Environment):
         return layouts.next_move(self.layout, self._dist, self.position)
 
     def named_oracle_action(self, oracle: str) -> str:
-        del oracle  # "local", the only one the server lets through
-        return layouts.local_move(self.layout, self.position, self.goal, self.last_move)
+        move = layouts.local_move(self.layout, self.position, self.goal, self.last_move)
+        if oracle == "local":
+            return move
+        return f"Thought: {layouts.goal_direction(self.position, self.goal)}\nAction: {move}"

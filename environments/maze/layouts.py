@@ -111,3 +111,11 @@ def local_move(layout: Layout, position: Position, goal: Position, last_move: st
     forward = [a for a in open_moves if a != BACK.get(last_move or "")]
     towards = {"move up": goal[0] < x, "move down": goal[0] > x, "move left": goal[1] < y, "move right": goal[1] > y}
     return next((a for a in forward if towards[a]), forward[0] if forward else open_moves[0])
+
+
+def goal_direction(position: Position, goal: Position) -> str:
+    """Where the goal lies, row then column, in words: what `local_move`'s choice is read from."""
+    (x, y), (gx, gy) = position, goal
+    row = "above me" if gx < x else "below me" if gx > x else "in my row"
+    column = "to my left" if gy < y else "to my right" if gy > y else "in my column"
+    return f"The goal is {row}, {column}."
