@@ -25,6 +25,20 @@ def test_replay_classifies_each_move_by_the_layout():
     assert counts.success == 0 and counts.episodes == 1
     rates = counts.rates()
     assert rates["into_wall"] == 0.2 and rates["closer"] == 0.4 and rates["success"] == 0.0
+    # Against the local oracle: at (1, 1) with no last move (turns 1 and 5, after the invalid one),
+    # down and right are open, a choice the goal's side decides (right). Turns 2-4 come after a move,
+    # whose way back is barred, so one way on is left (forced): right, right, down. Only turn 2 takes it.
+    assert (counts.forced, counts.forced_local, counts.choice, counts.choice_local) == (3, 1, 2, 0)
+    assert rates["local_forced"] == 1 / 3 and rates["local_choice"] == 0.0 and counts.goal_named == 0
+
+
+def test_replay_credits_a_thought_that_names_the_goals_side():
+    env = MazeEnv()
+    env.start(TWO_ROUTES, (1, 1), (1, 7))
+    counts = replay(env, ["Thought: The goal is in my row, to my right.\nAction: move right",  # a choice, the oracle's
+                          "Thought: The goal is above me, to my right.\nAction: move right"])  # forced; wrong side
+    assert (counts.choice, counts.choice_local, counts.forced, counts.forced_local, counts.goal_named) == (1, 1, 1, 1, 1)
+    assert counts.rates()["goal_named"] == 0.5
 
 
 def test_replay_stops_at_the_goal_and_counts_the_success():

@@ -8,8 +8,12 @@ parses it (`MazeEnv.parse_action`) and stepped on a fresh `MazeEnv` of the same 
 counts come from the environment's own rules, not from reading its observation text. A move is
 `into_wall` (a valid move that left the agent where it was), `closer` (the shortest-path distance
 to the goal fell), `revisit` (it ended on a square the episode had already stood on) or
-`invalid` (not one of the four moves). Rates are over all policy turns of the file(s); RL
-trajectory files give one line per policy version (RL step), evaluation files one line.
+`invalid` (not one of the four moves). Each turn is also compared with the `local` oracle's move
+from the same square: `local_forced` where the walls and the last move leave at most one way on
+(no reading of the positions needed), `local_choice` where two or more are open and only the
+goal's side decides; `goal_named` is the share of turns whose thought names that side as the
+`local_thought` oracle does (`layouts.goal_direction`). Rates are over all policy turns of the
+file(s); RL trajectory files give one line per policy version (RL step), evaluation files one line.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class MoveCounts:
     revisit: int = 0
     invalid: int = 0
     success: int = 0
+    forced: int = 0  # turns with at most one open move besides straight back
+    forced_local: int = 0  # ... on which the move was the local oracle's
+    choice: int = 0  # turns with two or more: the goal's side decides
+    choice_local: int = 0
+    goal_named: int = 0  # turns whose response states `layouts.goal_direction` of the square
 
     def add(self, other: MoveCounts) -> None:
         for field in dataclasses.fields(self):
@@ -47,8 +56,9 @@ class MoveCounts:
 
     def rates(self) -> dict[str, float]:
         """Per-move rates, and success per episode."""
-        per_move = {k: getattr(self, k) / max(self.moves, 1) for k in ("into_wall", "closer", "revisit", "invalid")}
-        return {"episodes": self.episodes, "moves": self.moves, **per_move, "success": self.success / max(self.episodes, 1)}
+        per_move = {k: getattr(self, k) / max(self.moves, 1) for k in ("into_wall", "closer", "revisit", "invalid", "goal_named")}
+        return {"episodes": self.episodes, "moves": self.moves, **per_move, "success": self.success / max(self.episodes, 1),
+                "local_forced": self.forced_local / max(self.forced, 1), "local_choice": self.choice_local / max(self.choice, 1)}
 
 
 def replay(env: MazeEnv, responses: Sequence[str]) -> MoveCounts:
@@ -59,6 +69,16 @@ def replay(env: MazeEnv, responses: Sequence[str]) -> MoveCounts:
     for response in responses:
         action = MazeEnv.parse_action(response)
         before = env.position
+        local = layouts.local_move(env.layout, before, env.goal, env.last_move)
+        ways_on = [m for m, (dx, dy) in layouts.MOVES.items()
+                   if m != layouts.BACK.get(env.last_move or "") and layouts.is_open(env.layout, (before[0] + dx, before[1] + dy))]
+        if len(ways_on) <= 1:
+            counts.forced += 1
+            counts.forced_local += action == local
+        else:
+            counts.choice += 1
+            counts.choice_local += action == local
+        counts.goal_named += layouts.goal_direction(before, env.goal) in response
         result = env.step(action or "")
         counts.moves += 1
         if action not in layouts.MOVES:
@@ -109,7 +129,8 @@ def oracle_moves(oracle: str, task_ids: Iterable[int], max_moves: int) -> MoveCo
 def _line(name: str, counts: MoveCounts) -> str:
     rates = counts.rates()
     return (f"{name} episodes={rates['episodes']} moves={rates['moves']} "
-            + " ".join(f"{k}={rates[k]:.3f}" for k in ("into_wall", "closer", "revisit", "invalid", "success")))
+            + " ".join(f"{k}={rates[k]:.3f}" for k in ("into_wall", "closer", "revisit", "invalid", "success",
+                                                     "local_forced", "local_choice", "goal_named")))
 
 
 def main(argv: Sequence[str]) -> None:
