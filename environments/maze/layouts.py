@@ -107,10 +107,21 @@ def local_move(layout: Layout, position: Position, goal: Position, last_move: st
     52% of tasks within 12 moves and 92% within 50.
     """
     x, y = position
-    open_moves = [a for a, (dx, dy) in MOVES.items() if is_open(layout, (x + dx, y + dy))]
-    forward = [a for a in open_moves if a != BACK.get(last_move or "")]
+    forward = ways_on(layout, position, last_move)
     towards = {"move up": goal[0] < x, "move down": goal[0] > x, "move left": goal[1] < y, "move right": goal[1] > y}
-    return next((a for a in forward if towards[a]), forward[0] if forward else open_moves[0])
+    return next((a for a in forward if towards[a]), forward[0] if forward else open_moves(layout, position)[0])
+
+
+def open_moves(layout: Layout, position: Position) -> list[str]:
+    """The moves (in `MOVES` order) that do not walk into a wall."""
+    x, y = position
+    return [a for a, (dx, dy) in MOVES.items() if is_open(layout, (x + dx, y + dy))]
+
+
+def ways_on(layout: Layout, position: Position, last_move: str | None) -> list[str]:
+    """`open_moves` without straight back along `last_move`: where two or more remain, only the
+    goal's side decides `local_move`'s choice."""
+    return [a for a in open_moves(layout, position) if a != BACK.get(last_move or "")]
 
 
 def goal_direction(position: Position, goal: Position) -> str:

@@ -70,9 +70,7 @@ def replay(env: MazeEnv, responses: Sequence[str]) -> MoveCounts:
         action = MazeEnv.parse_action(response)
         before = env.position
         local = layouts.local_move(env.layout, before, env.goal, env.last_move)
-        ways_on = [m for m, (dx, dy) in layouts.MOVES.items()
-                   if m != layouts.BACK.get(env.last_move or "") and layouts.is_open(env.layout, (before[0] + dx, before[1] + dy))]
-        if len(ways_on) <= 1:
+        if len(layouts.ways_on(env.layout, before, env.last_move)) <= 1:
             counts.forced += 1
             counts.forced_local += action == local
         else:
