@@ -1,13 +1,18 @@
 """MiniWoB++ in a real headless Chromium: task ids, the page text, the actions, MiniWoB's own reward,
 the oracle on the test ids, determinism across server processes, the session cap, idle reaping,
 the idle-browser pool, and a browser killed or hung under a live session. Everything but the
-task-id and argument checks runs through `python -m environments.serve`."""
+task-id and argument checks and the slow-image page runs through `python -m environments.serve`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import http.server
+import os
 import re
 import signal
+import threading
 import time
 import urllib.parse
 
@@ -15,7 +20,7 @@ import psutil
 import pytest
 
 from environments.miniwob import oracle, tasks
-from environments.miniwob.browser import chromedriver_path, env_number
+from environments.miniwob.browser import Browser, chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
 from environments.miniwob.tasks import task_id
 from tests.servers import request_json, start_server
@@ -126,6 +131,51 @@ def test_a_wrong_answer_ends_with_the_tasks_negative_reward(url):
     assert result["done"] and result["reward"] == -1.0 and result["info"]["success"] is False
     assert result["info"]["score"] == 0.0
     request_json(url, "POST", "/close", {"id": session})
+
+
+class _SlowImages(http.server.SimpleHTTPRequestHandler):
+    """Serves MiniWoB's files, each image half a second late (a page on a busy machine)."""
+
+    def do_GET(self):
+        if self.path.endswith(".png"):
+            time.sleep(0.5)
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # the browser drops image requests it no longer needs when it closes
+
+
+@contextlib.contextmanager
+def slow_image_site():
+    root = os.path.dirname(tasks.html_dir())
+    server = _QuietServer(("127.0.0.1", 0), functools.partial(_SlowImages, directory=root))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/{os.path.basename(tasks.html_dir())}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_first_observation_shows_icons_whose_images_load_late():
+    """The inbox's star and trash icons are images (CSS `content: url(...)`) with no size until
+    they load; the episode starts only once they have, so the first page text lists them."""
+    browser = Browser()
+    try:
+        with slow_image_site() as site:
+            browser.open(f"{site}/email-inbox.html", tasks.task(task_id("email-inbox", 3)).js_seed, 60_000)
+            _, lines = browser.render(120)
+    finally:
+        browser.close()
+    senders = sum(".email-sender" in line for _, line in lines)
+    assert senders >= 3
+    assert sum("span.star" in line for _, line in lines) == senders
+    assert sum("span.trash" in line for _, line in lines) == senders
 
 
 def test_press_keys_select_options_and_scroll(url):

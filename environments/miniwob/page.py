@@ -107,16 +107,32 @@ return (inSelect || (rect.width > 0 && rect.height > 0)) ? el : null;
 
 # (async) Waits until the page has loaded and its onload has shown MiniWoB's start cover (the
 # state `core.startEpisodeReal` needs), then seeds MiniWoB's random generator, sets the episode
-# time limit and starts the episode. The script's time-out bounds the wait.
+# time limit, starts the episode and waits for the images its elements show. An icon drawn from
+# an image (an <img>, or CSS `content: url(...)` like the email inbox's star) has no size until
+# its image loads, and the episode's elements only ask for theirs when they are created: without
+# the wait a busy machine renders the first observation without them. The script's time-out
+# bounds the wait; an image that fails to load is not waited for again.
 START_JS = r"""
 const [seed, limit, done] = arguments;
 const ready = () => document.readyState === 'complete' && typeof core !== 'undefined' &&
     core.cover_div !== null && WOB_TASK_READY;
+const imageUrls = () => {
+  const urls = new Set();
+  for (const el of document.querySelectorAll('*')) {
+    if (el instanceof HTMLImageElement && el.src) urls.add(el.src);
+    const style = window.getComputedStyle(el);
+    for (const value of [style.content, style.backgroundImage]) {
+      for (const m of value.matchAll(/url\("?([^")]*)"?\)/g)) urls.add(m[1]);
+    }
+  }
+  return Array.from(urls);
+};
+const loaded = (url) => { const img = new Image(); img.src = url; return img.decode().catch(() => null); };
 const start = () => {
   Math.seedrandom(seed);
   core.EPISODE_MAX_TIME = limit;
   core.startEpisodeReal();
-  done(true);
+  Promise.all(imageUrls().map(loaded)).then(() => done(true));
 };
 const wait = () => (ready() ? start() : setTimeout(wait, 10));
 wait();
