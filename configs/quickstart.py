@@ -87,6 +87,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.horizon.rounds = (4, 8, 12)
     config.horizon.steps_per_stage = 8
 
+    # A curriculum over task difficulty (rl/curriculum.py), off here: stage k draws only training
+    # tasks whose grade in the environment's task metadata is <= max_grades[k].
+    config.curriculum = ml_collections.ConfigDict()
+    config.curriculum.key = ""  # the grading list, e.g. textcraft's "depth"; "": every training task
+    config.curriculum.max_grades = ()  # e.g. (1, 2, 4): depth-1 goals first, then up to 2, then all
+    config.curriculum.steps_per_stage = 1  # steps per stage; the last stage lasts to the end
+
     # Every key below is a field of train/steps.UpdateConfig or train/rl_batch.BatchFilter;
     # docs/algorithms.md has the formula and paper of each. A bad value is refused at start-up.
     config.algo = ml_collections.ConfigDict()

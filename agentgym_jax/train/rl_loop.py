@@ -5,8 +5,8 @@ Resume is exact: a killed run restarted with the same command restores the train
 optimizer, RNG, skipped-update count), the frozen reference and the loop position from the last
 checkpoint, and cuts metrics.jsonl, TensorBoard and the trajectory files back to that step
 (the later steps are replayed). What each RL step does is a pure function of its index: the
-tasks (a seeded permutation of the training split), the horizon (`rl/horizon.py`) and the
-sampling key (`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run
+tasks (a seeded permutation of the training split, or of the part a difficulty curriculum
+admits: `rl/curriculum.py`), the horizon (`rl/horizon.py`) and the sampling key (`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run
 would take.
 
 Several processes (`job/setup.py`): each plays its share of the step's tasks on its own servers
@@ -26,6 +26,7 @@ from absl import logging
 
 from agentgym_jax.job import setup
 from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
+from agentgym_jax.rl.curriculum import from_config as task_curriculum
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
@@ -43,9 +44,11 @@ from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
     schedule = horizon_schedule(config.horizon)
+    curriculum = task_curriculum(config.curriculum)
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
+        curriculum.check(info.splits["train"], info.metadata)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         resuming = ckpt.latest_step is not None
@@ -104,8 +107,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer())
         for step in range(meta["rl_step"], config.train.steps):
             horizon = schedule.horizon(step)
-            tasks, first = process_share(task_batch(info.splits["train"], step, config.rollout.batch_tasks, config.seed),
-                                         "rollout.batch_tasks")
+            pool = curriculum.pool(info.splits["train"], info.metadata, step)
+            tasks, first = process_share(task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
             t0 = time.time()
             trajectories = train_engine.run(
                 sampler_params(state.params), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
@@ -126,7 +129,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             metrics = {
                 **rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics), **update_metrics,
-                "horizon": horizon, "stage": schedule.stage(step), "rollout_s": rollout_s, "update_s": update_s,
+                "horizon": horizon, "stage": schedule.stage(step), "task_pool": len(pool), "rollout_s": rollout_s, "update_s": update_s,
                 "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
                 "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
             }
