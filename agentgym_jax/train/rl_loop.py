@@ -6,8 +6,8 @@ optimizer, RNG, skipped-update count), the frozen reference and the loop positio
 checkpoint, and cuts metrics.jsonl, TensorBoard and the trajectory files back to that step
 (the later steps are replayed). What each RL step does is a pure function of its index: the
 tasks (a seeded permutation of the training split, or of the part a difficulty curriculum
-admits: `rl/curriculum.py`), the horizon (`rl/horizon.py`) and the sampling key (`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run
-would take.
+admits: `rl/curriculum.py`), the horizon (`rl/horizon.py`) and the sampling key
+(`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run would take.
 
 Several processes (`job/setup.py`): each plays its share of the step's tasks on its own servers
 and devices, and the update runs on the global batch of every process's episodes.
