@@ -13,9 +13,10 @@ leaves it as it is.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from agentgym_jax.rl.horizon import stage_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,7 @@ class Curriculum:
             raise ValueError(f"curriculum.steps_per_stage must be a positive integer, got {self.steps_per_stage!r}")
 
     def stage(self, step: int) -> int:
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return min(step // self.steps_per_stage, max(len(self.max_grades) - 1, 0))
+        return stage_of(step, self.steps_per_stage, len(self.max_grades))
 
     def pool(self, train_ids: Sequence[int], metadata: Mapping[str, Any], step: int) -> list[int]:
         """The training tasks step `step` draws from (all of `train_ids` when off)."""

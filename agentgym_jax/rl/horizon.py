@@ -20,6 +20,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
+def stage_of(step: int, steps_per_stage: int, num_stages: int) -> int:
+    """The stage of training step `step` (>= 0): a new one every `steps_per_stage` steps, the last forever."""
+    step = operator.index(step)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return min(step // steps_per_stage, max(num_stages - 1, 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class HorizonSchedule:
     """Turns allowed per stage; a new stage every `steps_per_stage` training steps."""
@@ -37,10 +45,7 @@ class HorizonSchedule:
 
     def stage(self, step: int) -> int:
         """Index into `rounds` for training step `step` (>= 0)."""
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return min(step // self.steps_per_stage, len(self.rounds) - 1)
+        return stage_of(step, self.steps_per_stage, len(self.rounds))
 
     def horizon(self, step: int) -> int:
         """Maximum number of turns per episode at training step `step` (>= 0)."""
