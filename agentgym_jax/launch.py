@@ -50,14 +50,20 @@ class _QuietLibraries(py_logging.Filter):
 
 
 def main(argv: list[str]) -> None:
+    """Runs the config's mode. A `ConfigError` a job finds once it is open (a curriculum key the
+    environment lacks, an update value out of range) ends like one found before: one line, exit 1,
+    its servers and processes already closed by the job's context managers."""
     del argv
     if logging.get_verbosity() <= logging.INFO and not flags.FLAGS["verbosity"].present:  # -v 1 shows everything
         logging.get_absl_handler().addFilter(_QuietLibraries())
     config = _CONFIG.value
-    if config.get("mode") not in MODES:
-        raise ConfigError(f"unknown mode {config.get('mode')!r}; valid: {', '.join(sorted(MODES))}")
-    logging.info("mode=%s", config.mode)
-    importlib.import_module(MODES[config.mode]).run(config)
+    try:
+        if config.get("mode") not in MODES:
+            raise ConfigError(f"unknown mode {config.get('mode')!r}; valid: {', '.join(sorted(MODES))}")
+        logging.info("mode=%s", config.mode)
+        importlib.import_module(MODES[config.mode]).run(config)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
 
 
 def cli() -> None:

@@ -29,10 +29,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.max_sessions = 0  # live sessions (episodes) per server a pool holds at once; 0: the server's own cap (/health)
     config.env.request_timeout_s = 30.0
     config.env.episode_timeout_s = 600.0
-    config.env.auth_token = ""
+    config.env.auth_token = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too
     # Opt-in shaped rewards the servers pay (maze: "progress", potential-based partial credit); ""
     # the environment's own. Success is never changed; the report and summary line name it.
-    config.env.reward_shaping = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too
+    config.env.reward_shaping = ""
+    # Part of an environment: "<metadata key>=<value>[,...]" keeps, in the train and test splits,
+    # the tasks whose per-task metadata matches (TextArena: "game=GuessTheNumber"); "": every task.
+    config.env.tasks = ""
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # a Hugging Face tokenizer folder; empty: build one in workdir

@@ -4,6 +4,8 @@ flag parser `launch` uses), and a bad value is a `ConfigError` naming the value 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from absl import flags
@@ -87,7 +89,7 @@ def test_bad_filter_values_are_config_errors():
 
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
-              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "sql", "search"))]
+              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search"))]
 
 
 @pytest.mark.parametrize("name", RL_CONFIGS)
@@ -127,3 +129,19 @@ def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env)
     stages = [schedule.stage(step) for step in range(config.train.steps)]
     assert [stages.count(k) for k in range(len(config.horizon.rounds))] == [config.horizon.steps_per_stage] * len(config.horizon.rounds)
     assert config.sft.max_turns == config.eval.horizon == config.horizon.rounds[-1]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--config.env.name=textarena", "--config.env.tasks=game=Chess"], "config error: env.tasks='game=Chess': no textarena task"),
+    (["--config.env.name=textcraft", "--config.curriculum.key=depht", "--config.curriculum.max_grades=(1,)"],
+     "config error: curriculum.key='depht': the environment's task metadata has no such list; it has: depth"),
+])
+def test_a_config_error_found_once_the_job_is_open_ends_in_one_line(tmp_path, overrides, message):
+    """The job has started its servers when it reads the task metadata; the error still ends as
+    the launcher's one line (exit 1, no traceback), like a bad key caught before the job."""
+    command = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py",
+               f"--config.workdir={tmp_path}", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

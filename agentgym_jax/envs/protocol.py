@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 # Field names AgentGym's per-environment servers use for the same thing.
@@ -91,6 +92,26 @@ class TaskInfo:
     def from_json(cls, body: dict[str, Any]) -> TaskInfo:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in fields})
+
+    def where(self, key: str, values: Sequence[str]) -> TaskInfo:
+        """The same environment with every split cut to the tasks whose `metadata[key]` entry
+        (a per-task-id list, e.g. TextArena's `game`) reads as one of `values`; ids are kept.
+
+        A job that trains and evaluates on part of an environment (one TextArena game) sees only
+        those tasks; a key the metadata lacks, or values no task has, raise `ValueError`.
+        """
+        per_task = self.metadata.get(key)
+        if not isinstance(per_task, (list, tuple)) or len(per_task) != self.num_tasks:
+            lists = [k for k, v in self.metadata.items() if isinstance(v, (list, tuple)) and len(v) == self.num_tasks]
+            raise ValueError(f"{self.env} has no per-task metadata {key!r} to select tasks by; "
+                             f"it has: {', '.join(lists) or 'none'}")
+        present = sorted({str(v) for v in per_task})
+        unknown = [v for v in values if v not in present]
+        if unknown or not values:
+            raise ValueError(f"no {self.env} task has {key}={','.join(unknown) or '(nothing)'}; its values: {', '.join(present)}")
+        keep = set(values)
+        splits = {name: [i for i in ids if str(per_task[i]) in keep] for name, ids in self.splits.items()}
+        return dataclasses.replace(self, splits=splits)
 
 
 class ProtocolError(ValueError):

@@ -75,7 +75,7 @@ def open_job(config: ml_collections.ConfigDict, *, servers: bool = True) -> Iter
         info = None
         if servers:
             body = fetch_task_info(config.env, urls).to_json() if distributed.is_writer() else None
-            info = TaskInfo.from_json(distributed.broadcast_object(body))
+            info = select_tasks(TaskInfo.from_json(distributed.broadcast_object(body)), config.env.get("tasks", ""))
         mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
         yield Job(workdir, mesh, sampler_mesh(config), urls, info)
 
@@ -167,6 +167,20 @@ def fetch_task_info(env: ml_collections.ConfigDict, urls: Sequence[str]) -> Task
             return await pool.tasks()
 
     return run_sync(ask())
+
+
+def select_tasks(info: TaskInfo, spec: str) -> TaskInfo:
+    """`env.tasks`: "" keeps every task; "<key>=<value>[,<value>...]" keeps, in every split, the
+    tasks whose per-task metadata `key` is one of the values (TextArena: "game=GuessTheNumber")."""
+    if not spec:
+        return info
+    key, sep, values = spec.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"env.tasks={spec!r}: expected <metadata key>=<value>[,<value>...], e.g. game=GuessTheNumber")
+    try:
+        return info.where(key.strip(), [v.strip() for v in values.split(",") if v.strip()])
+    except ValueError as e:
+        raise ConfigError(f"env.tasks={spec!r}: {e}") from e
 
 
 def tokenizer_dir(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:

@@ -19,6 +19,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agentgym_jax.config import ConfigError
+
 
 def stage_of(step: int, steps_per_stage: int, num_stages: int) -> int:
     """The stage of training step `step` (>= 0): a new one every `steps_per_stage` steps, the last forever."""
@@ -84,11 +86,14 @@ def from_config(config: Mapping[str, Any]) -> HorizonSchedule:
     name = params.pop("schedule", None)
     if name not in HORIZON_SCHEDULES:
         valid = ", ".join(HORIZON_SCHEDULES)
-        raise ValueError(f"unknown horizon schedule {name!r}; valid: {valid}")
+        raise ConfigError(f"unknown horizon schedule {name!r}; valid: {valid}")
     builder = HORIZON_SCHEDULES[name]
     valid = inspect.signature(builder).parameters
     if unknown := sorted(set(params) - set(valid)):
-        raise ValueError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
+        raise ConfigError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
     if "rounds" not in params:
-        raise ValueError(f"horizon schedule {name!r} needs 'rounds'")
-    return builder(**params)
+        raise ConfigError(f"horizon schedule {name!r} needs 'rounds'")
+    try:
+        return builder(**params)
+    except ValueError as e:
+        raise ConfigError(f"horizon: {e}") from e
