@@ -58,7 +58,7 @@ def grades(metadata: Mapping[str, Any], key: str) -> Sequence[float]:
     if key not in metadata:
         graded = [k for k, v in metadata.items() if isinstance(v, (list, tuple))]
         raise ConfigError(f"curriculum.key={key!r}: the environment's task metadata has no such list; "
-                         f"it has: {', '.join(graded) or 'none'}")
+                          f"it has: {', '.join(graded) or 'none'}")
     return metadata[key]
 
 
