@@ -8,37 +8,24 @@ The full 24-step recipe rose on 2 of 5 seeds, stayed level on 2 and fell on one
 """
 
 import json
-import os
-import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
 
 from agentgym_jax.train.metrics import read_metrics
 from environments.textarena import games
 from environments.textarena.env import TEST_EVERY
+from tests.rl_runs import run_rl_job
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 12
-SUMMARY = re.compile(
-    r"^summary: env=textarena heldout_tasks=(\d+) success_before=([\d.]+) success_after=([\d.]+) minutes=([\d.]+)$"
-)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~4 min on an idle 2-core machine
 def test_shortened_guess_the_number_recipe_improves_held_out_success(tmp_path):
     overrides = {"workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon.steps_per_stage": 4}
-    command = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/guess_the_number_cpu.py"]
-    command += [f"--config.{k}={v}" for k, v in overrides.items()]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
-    assert summary, done.stdout[-2000:]
-    tasks, before, after = int(summary[1]), float(summary[2]), float(summary[3])
+    summary = run_rl_job("configs/guess_the_number_cpu.py", overrides)
+    tasks, before, after = summary.tasks, summary.before, summary.after
+    assert summary.env == "textarena"
     assert 0.1 < before < 0.8  # a real but imperfect start
     assert after > before, f"held-out success {before:.3f} -> {after:.3f}"
 

@@ -7,23 +7,15 @@ them); the full quickstart: 64 tasks, 0.359 -> 0.719 after 24 steps.
 """
 
 import json
-import os
-import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
 
 from agentgym_jax.eval.compare import compare_dirs
 from agentgym_jax.train.metrics import read_metrics
 from environments.room.env import RoomEnv
+from tests.rl_runs import run_rl_job
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 10
-SUMMARY = re.compile(
-    r"^summary: env=room heldout_tasks=(\d+) success_before=([\d.]+) success_after=([\d.]+) minutes=([\d.]+)$"
-)
 
 
 @pytest.mark.slow
@@ -33,14 +25,9 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
         "workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS,
         "horizon.steps_per_stage": 4, "eval.num_tasks": 32,
     }
-    command = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py"]
-    command += [f"--config.{k}={v}" for k, v in overrides.items()]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
-    assert summary, done.stdout[-2000:]
-    tasks, before, after = int(summary[1]), float(summary[2]), float(summary[3])
+    summary = run_rl_job("configs/quickstart.py", overrides)
+    tasks, before, after = summary.tasks, summary.before, summary.after
+    assert summary.env == "room"
     assert tasks == 32
     assert 0.1 < before < 0.8  # a real but imperfect start
     assert after > before, f"held-out success {before:.3f} -> {after:.3f}"

@@ -1,0 +1,34 @@
+"""An RL job run through the launcher as a user runs it, read back from its last line."""
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(
+    r"^summary: env=(\w+) heldout_tasks=(\d+) success_before=([\d.]+) success_after=([\d.]+) minutes=([\d.]+)$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    env: str
+    tasks: int
+    before: float
+    after: float
+
+
+def run_rl_job(config_file: str, overrides: dict, timeout: float = 1400) -> Summary:
+    """`python -m agentgym_jax.launch --config=<config_file> --config.<k>=<v> ...` on one CPU device
+    (no simulated devices, as a user runs it); its summary line, after checking it ended well."""
+    command = [sys.executable, "-m", "agentgym_jax.launch", f"--config={config_file}"]
+    command += [f"--config.{k}={v}" for k, v in overrides.items()]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
+    assert summary, done.stdout[-2000:]
+    return Summary(summary[1], int(summary[2]), float(summary[3]), float(summary[4]))
