@@ -1,4 +1,5 @@
-"""An RL job run through the launcher as a user runs it, read back from its last line."""
+"""Jobs run through the launcher as a user runs them: an RL job read back from its last line, and
+the environment of launches that restart one another."""
 
 import dataclasses
 import os
@@ -19,6 +20,13 @@ class Summary:
     tasks: int
     before: float
     after: float
+
+
+def with_compile_cache(env: dict[str, str], cache: pathlib.Path) -> dict[str, str]:
+    """`env` plus a persistent compilation cache in `cache`: a later launch of the same job loads
+    what an earlier one compiled, as a restarted job does (an entry a SIGKILL cut short is an
+    unreadable entry, which JAX warns about and compiles again)."""
+    return {**env, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def run_rl_job(config_file: str, overrides: dict, timeout: float = 1400) -> Summary:

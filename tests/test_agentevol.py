@@ -22,6 +22,7 @@ from agentgym_jax.train.agentevol import TrainingPhases, keep_successes, merge_d
 from agentgym_jax.train.jobs import update_config
 from configs import agentevol as agentevol_config
 from tests.markers import long_test
+from tests.rl_runs import with_compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -100,7 +101,8 @@ def _episodes(path):
 @pytest.mark.slow
 def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     workdir = tmp_path / "run"
-    proc = subprocess.Popen(_command(workdir, 0, **TINY), cwd=REPO, env=ONE_DEVICE, stdout=subprocess.DEVNULL,
+    env = with_compile_cache(ONE_DEVICE, tmp_path / "jax_cache")  # the restart loads what the first launch compiled
+    proc = subprocess.Popen(_command(workdir, 0, **TINY), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (workdir / "iter_1" / "data.jsonl").exists():  # iteration 1 explored, not yet trained
@@ -114,7 +116,7 @@ def test_sigkilled_run_resumes_at_its_iteration(tmp_path):
     data_before = (workdir / "iter_1" / "data.jsonl").read_text()
     eval_0 = (workdir / "iter_0" / "eval.json").stat().st_mtime_ns
 
-    resumed = subprocess.run(_command(workdir, 0, **TINY), cwd=REPO, env=ONE_DEVICE, capture_output=True,
+    resumed = subprocess.run(_command(workdir, 0, **TINY), cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("agentevol:")]

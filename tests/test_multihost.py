@@ -28,6 +28,7 @@ from agentgym_jax.parallel.distributed import gather_objects, process_share, sha
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train.metrics import read_metrics
+from tests.rl_runs import with_compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
@@ -58,10 +59,8 @@ def _env(devices: int, process: int | None = None, port: int | None = None, cach
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
-    # A persistent compilation cache: a restart loads what the killed run compiled (an entry cut
-    # short by the SIGKILL is an unreadable entry, which JAX warns about and compiles again).
-    if cache is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    if cache is not None:  # a restart loads what the killed run compiled
+        env = with_compile_cache(env, cache)
     if process is not None:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(process))
     return env

@@ -16,6 +16,7 @@ from agentgym_jax.rl.horizon import stepwise
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.jobs import task_batch
 from environments.room.env import RoomEnv
+from tests.rl_runs import with_compile_cache
 from tests.test_metrics import _tensorboard_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +49,9 @@ def _command(workdir: pathlib.Path, algo: dict) -> list[str]:
 
 
 def _run(workdir: pathlib.Path, algo: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(workdir, algo), cwd=REPO, capture_output=True, text=True, timeout=900)
+    """The three launches of a test share one compilation cache: the later two load what the first compiled."""
+    return subprocess.run(_command(workdir, algo), cwd=REPO, env=with_compile_cache(dict(os.environ), workdir.parent / "jax_cache"),
+                          capture_output=True, text=True, timeout=900)
 
 
 def _per_step(records: list[dict]) -> dict[int, dict]:
@@ -78,8 +81,8 @@ def test_sigkilled_run_resumes_exactly(tmp_path, algo):
     assert "mode=rl" in straight.stderr and "CheckpointManager" not in straight.stderr  # libraries' INFO lines filtered
 
     resumed_dir = tmp_path / "resumed"
-    proc = subprocess.Popen(_command(resumed_dir, algo), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(_command(resumed_dir, algo), cwd=REPO, env=with_compile_cache(dict(os.environ), tmp_path / "jax_cache"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     metrics_path = resumed_dir / "metrics.jsonl"
     # Step 3 logged (and its episodes written), its checkpoint not due (every 2): the restart replays it.
