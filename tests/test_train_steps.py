@@ -142,21 +142,31 @@ def _ragged_batch(rows: int, seq: int, lengths: np.ndarray) -> TokenBatch:
 RAGGED_LENGTHS = np.array([200, 14, 60, 256, 24, 120, 18, 66, 40, 128, 10, 180, 30, 80, 50, 22])
 PADDED = dataclasses.replace(EPOCHS, num_minibatches=1, num_microbatches=4)  # 4 rows per micro-batch
 GROUPED = dataclasses.replace(PADDED, length_buckets=3)  # 256 / 128 / 64
-DROPPED = np.array([0, 5, 11])  # rows of 200, 120 and 180 tokens that train nothing: they need no position
+# Rows of 200, 256, 120 and 180 tokens that train nothing (a group dynamic sampling left out): they
+# need no position, and grouped, they fill a micro-batch that is not run at all.
+DROPPED = np.array([0, 3, 5, 11])
+
+
+def _run_lengths(needed: np.ndarray) -> list[int]:
+    """What a grouped pass over 4 micro-batches of 4 runs: each at the shortest of 256 / 128 / 64
+    holding its longest row, and a micro-batch of rows that need no position not at all."""
+    groups = np.sort(needed).reshape(4, 4).max(axis=1)
+    return [0 if g == 0 else min(length for length in (256, 128, 64) if length >= g) for g in groups]
 
 
 @pytest.fixture(scope="module")
 def ragged_updates():
     """`PADDED` and `GROUPED` on one device, on 16 rows of `RAGGED_LENGTHS` tokens padded to 256
-    (the `DROPPED` rows without a policy token)."""
+    (the `DROPPED` rows without a policy token): each config's prepared batch, prepare metrics,
+    and update."""
     batch = _ragged_batch(16, 256, RAGGED_LENGTHS)
     batch = batch.replace(loss_mask=batch.loss_mask.at[DROPPED].set(0))  # rows a batch filter dropped
     results = {}
     for config in (PADDED, GROUPED):
         fns = step_fns(config)
         state = _state()
-        rl_batch, _ = fns.prepare(state.params, state.params, batch)
-        results[config.length_buckets] = fns.rl_update(state, rl_batch)
+        rl_batch, prep_metrics = fns.prepare(state.params, state.params, batch)
+        results[config.length_buckets] = (rl_batch, prep_metrics, *fns.rl_update(state, rl_batch))
     return batch, results
 
 
@@ -164,34 +174,54 @@ def test_length_grouped_micro_batches_give_the_padded_update_on_fewer_positions(
     """Micro-batches grouped by length and cut to their own bucket: the same params and loss as
     the update over the padded rows, and the share of positions run is what the row lengths give
     (sorted, 4 per micro-batch, each at the shortest of 256 / 128 / 64 holding its longest row;
-    a row that trains nothing needs no position)."""
+    a row that trains nothing needs no position, a micro-batch of such rows runs nothing)."""
     _, results = ragged_updates
-    (a, metrics_a), (b, metrics_b) = results[1], results[3]
+    (_, _, a, metrics_a), (_, _, b, metrics_b) = results[1], results[3]
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), a.params, b.params)
     np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
     needed = RAGGED_LENGTHS.copy()
     needed[DROPPED] = 0
-    groups = np.sort(needed).reshape(4, 4).max(axis=1)  # [10, 24, 60, 256]
-    run = [min(length for length in (256, 128, 64) if length >= g) for g in groups]  # [64, 64, 64, 256]
+    run = _run_lengths(needed)
+    assert run == [0, 64, 64, 128]
     assert float(metrics_a["length_fraction"]) == 1.0
-    np.testing.assert_allclose(metrics_b["length_fraction"], np.mean(run) / 256)  # 0.4375
+    np.testing.assert_allclose(metrics_b["length_fraction"], np.mean(run) / 256)  # 0.25
+
+
+def test_length_grouped_scoring_gives_the_padded_scores_on_fewer_positions(ragged_updates):
+    """`prepare` scores parts of like lengths, each at its own and the dropped rows' part not at
+    all, then puts the rows back in order: log-probs, reference log-probs and advantages on every
+    policy token as the padded scoring gives them, on a quarter of the positions."""
+    batch, results = ragged_updates
+    (want, want_metrics, *_), (got, got_metrics, *_) = results[1], results[3]
+    mask = np.asarray(batch.loss_mask) > 0
+    for field in ("old_logprobs", "ref_logprobs", "advantages"):
+        np.testing.assert_allclose(np.asarray(getattr(got, field))[mask], np.asarray(getattr(want, field))[mask],
+                                   rtol=1e-5, atol=1e-5, err_msg=field)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(batch.tokens))  # the batch's own row order
+    assert not np.any(np.asarray(got.old_logprobs)[DROPPED])  # never scored
+    assert float(want_metrics["score_length_fraction"]) == 1.0
+    needed = RAGGED_LENGTHS.copy()
+    needed[DROPPED] = 0
+    np.testing.assert_allclose(got_metrics["score_length_fraction"], np.mean(_run_lengths(needed)) / 256)
+    np.testing.assert_allclose(got_metrics["logprob_gap"], want_metrics["logprob_gap"], rtol=1e-4)
 
 
 def test_sharded_length_grouped_update_matches_the_padded_one(ragged_updates):
     """The grouping's row gather and the per-length branches on a 2x2x2 mesh (one row of each
     micro-batch per batch shard) against one device's padded update."""
     batch, results = ragged_updates
-    want_state, want_metrics = results[1]
+    _, _, want_state, want_metrics = results[1]
     mesh = make_mesh(2, 2, 2)
     state = _state()
     shardings = steps.train_state_shardings(state, mesh)
     fns = steps.make_step_fns(GROUPED, mesh, shardings)
     state = jax.device_put(state, shardings)
-    rl_batch, _ = fns.prepare(state.params, state.params, batch)
+    rl_batch, prep_metrics = fns.prepare(state.params, state.params, batch)
     state, metrics = fns.rl_update(state, rl_batch)
     assert_close(state.params, want_state.params)
     assert_close(metrics["loss"], want_metrics["loss"])
-    np.testing.assert_allclose(metrics["length_fraction"], 0.4375)
+    np.testing.assert_allclose(metrics["length_fraction"], 0.25)
+    np.testing.assert_allclose(prep_metrics["score_length_fraction"], 0.25)
 
 
 def test_ppo_epochs_and_minibatches_are_all_applied(single_device_update):

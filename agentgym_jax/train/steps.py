@@ -268,7 +268,8 @@ def prepare(
     """Scores a rollout batch with the current and the reference policy and computes advantages.
 
     The forward passes run one micro-batch at a time, micro-batches of the update's size
-    (`num_minibatches x num_microbatches` strided parts, as `_split` cuts them).
+    (`num_minibatches x num_microbatches` parts), like the update's: grouped by length and each
+    cut to its own with `length_buckets > 1`, and skipped where no row trains a token.
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
     separate critic's (`config.separate_critic`), else None.
@@ -281,7 +282,9 @@ def prepare(
     parts = config.num_minibatches * config.num_microbatches
     temperature = config.temperature
 
-    def score(rows: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    def score(all_params: tuple[Any, Any, Any], part: TokenBatch) -> tuple[jax.Array, ...]:
+        params, ref_params, critic_params = all_params
+        rows = (part.tokens, part.positions)
         old_logprobs, entropy, values = token_logprobs(params, *rows, config, temperature)
         if config.separate_critic:
             values = critic_values(critic_params, *rows, config)
@@ -289,8 +292,15 @@ def prepare(
                         else old_logprobs)
         return old_logprobs, entropy, values, ref_logprobs
 
-    scored = jax.lax.map(score, _split((batch.tokens, batch.positions), parts))
-    old_logprobs, entropy, values, ref_logprobs = _merge(scored)
+    # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
+    order = _length_order(batch, parts) if config.length_buckets > 1 and parts > 1 else None
+    rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
+    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], config.length_buckets), per_position=True)
+    scored, run_lengths = jax.lax.map(lambda part: score_at((params, ref_params, critic_params), part), _split(rows, parts))
+    scored = _merge(scored)
+    if order is not None:
+        scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
+    old_logprobs, entropy, values, ref_logprobs = scored
     rewards = batch.token_rewards
     if config.kl_in_reward:
         rewards, _ = apply_kl_penalty(
@@ -319,6 +329,7 @@ def prepare(
         "advantage_mean": masked_mean(advantages, mask),
         "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
         "policy_tokens": masked_count(mask),
+        "score_length_fraction": jnp.mean(run_lengths) / batch.tokens.shape[1],  # of the padded positions, scored
     }
     rl_batch = RLBatch(
         tokens=batch.tokens,
@@ -416,35 +427,44 @@ def _row_lengths(batch: Any) -> jax.Array:
     return jnp.where(trains, jnp.sum(batch.positions >= 0, axis=1), 0)
 
 
-def _grouped_by_length(batch: Any, parts: int) -> Any:
-    """`batch`'s rows reordered so that `_split(batch, parts)` part i holds the i-th shortest
-    `rows / parts` rows: micro-batches of like lengths, so that each can run at its own length."""
+def _length_order(batch: Any, parts: int) -> jax.Array:
+    """[rows] a row order in which `_split(rows, parts)` part i holds the i-th shortest
+    `rows / parts` rows: parts of like lengths, so that each can run at its own length."""
     order = jnp.argsort(_row_lengths(batch))
     per_part = order.shape[0] // parts
-    rows = order.reshape(parts, per_part).T.reshape(-1)  # part i (rows i, i + parts, ...) = order[i * per_part:]
-    return jax.tree.map(lambda x: x[rows], batch)
+    return order.reshape(parts, per_part).T.reshape(-1)  # part i (rows i, i + parts, ...) = order[i * per_part:]
 
 
-def _grad_at_length(grad_fn: Callable, lengths: tuple[int, ...]) -> Callable:
-    """`grad_fn(params, micro_batch, config)` run on the micro-batch cut to the shortest of
-    `lengths` that holds its longest row (one `lax.switch` branch per length; only the taken one
-    runs), and that length. Exact: positions past a row's end are padding, which no real token
-    attends to and no loss counts (nor any position of a row that trains no token), and every loss
-    aggregation is independent of the padded length."""
-    if len(lengths) == 1:
-        return lambda params, batch, config: (grad_fn(params, batch, config), jnp.float32(lengths[0]))
+def _at_length(fn: Callable, lengths: tuple[int, ...], per_position: bool = False) -> Callable:
+    """`fn(params, batch)` run on `batch` cut to the shortest of `lengths` that holds its longest
+    row (one `lax.switch` branch per length; only the taken one runs), and that length; not run
+    at all (zeros, length 0) when no row trains a token, e.g. groups that dynamic sampling left
+    out. `per_position`: the output's [rows, length] leaves are padded back to `lengths[0]`.
 
-    def at_length(params, batch, config):
-        def cut(length: int) -> Callable:
-            trim = lambda x: x[:, :length] if x.ndim == 2 and x.shape[1] == lengths[0] else x  # noqa: E731
-            return lambda params, batch: grad_fn(params, jax.tree.map(trim, batch), config)
+    Exact: positions past a row's end are padding, which no real token attends to and no loss
+    counts (nor any position of a row that trains no token), every loss aggregation is
+    independent of the padded length, and a part that trains no token has a zero loss, gradient
+    and micro-batch weight, and scores that every later use masks out."""
+    full = lengths[0]
 
-        fits = jnp.asarray(lengths) >= jnp.max(_row_lengths(batch))  # longest first: a prefix is True
-        index = jnp.sum(fits) - 1
-        out = jax.lax.switch(index, [cut(length) for length in lengths], params, batch)
-        return out, jnp.asarray(lengths, jnp.float32)[index]
+    def cut(length: int) -> Callable:
+        trim = lambda x: x[:, :length] if x.ndim == 2 and x.shape[1] == full else x  # noqa: E731
+        pad = lambda y: jnp.pad(y, ((0, 0), (0, full - length))) if per_position else y  # noqa: E731
+        return lambda params, batch: jax.tree.map(pad, fn(params, jax.tree.map(trim, batch)))
 
-    return at_length
+    branches = [cut(length) for length in lengths]
+
+    def skip(params, batch):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(branches[0], params, batch))
+
+    def run(params, batch):
+        needed = jnp.max(_row_lengths(batch))
+        fits = jnp.sum(jnp.asarray(lengths) >= needed) - 1  # longest first: a prefix fits
+        index = jnp.where(needed > 0, fits, len(lengths))
+        out = jax.lax.switch(index, [*branches, skip], params, batch)
+        return out, jnp.asarray((*lengths, 0), jnp.float32)[index]
+
+    return run
 
 
 def check_microbatches(rows: int, config: UpdateConfig) -> None:
@@ -473,22 +493,24 @@ def accumulated_update(
     state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
-    (grouped by length and each cut to its own with `length_buckets > 1`).
+    (grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
+    trains no token is not run).
 
     The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
     """
     if config.length_buckets > 1 and config.num_microbatches > 1:
-        batch = _grouped_by_length(batch, config.num_microbatches)
+        batch = jax.tree.map(lambda x: x[_length_order(batch, config.num_microbatches)], batch)
     micro = _split(batch, config.num_microbatches)
     weights = _share(micro.loss_mask, config.agg_mode)
-    grad_fn = _grad_at_length(
-        jax.value_and_grad(loss_fn, has_aux=True), length_buckets(batch.tokens.shape[1], config.length_buckets)
+    grad_fn = _at_length(
+        jax.value_and_grad(functools.partial(loss_fn, config=config), has_aux=True),
+        length_buckets(batch.tokens.shape[1], config.length_buckets),
     )
 
     def micro_step(grads, inputs):
         micro_batch, weight = inputs
-        ((_, metrics), micro_grads), length = grad_fn(state.params, micro_batch, config)
+        ((_, metrics), micro_grads), length = grad_fn(state.params, micro_batch)
         grads = jax.tree.map(lambda g, m: g + weight * m.astype(jnp.float32), grads, micro_grads)
         return grads, (jax.tree.map(lambda m: weight * m, metrics), length)
 
