@@ -12,7 +12,7 @@ near where the oracle's demonstrations end (a first stage far shorter than the d
 groups of all-zero rewards, so no signal), SFT on the demonstrations that fit the final horizon
 (Maze: from an oracle whose moves its observations explain, and long enough to learn them),
 turns long enough for the environment's actions, an episode budget for its observations, and a
-run that fits 15 minutes of a 2-core CPU (Maze's takes ~20: its SFT needs 10). Rewards and success are the environment's own; shaping
+run that fits 15 minutes of a 2-core CPU. Rewards and success are the environment's own; shaping
 (`env.reward_shaping`, Maze and TextCraft: `progress`) is an explicit per-run option, off here.
 Groups whose rewards are all equal carry no GRPO signal and are left out (DAPO's dynamic sampling;
 the shortfall is logged). Results, commands, seeds and what limits each: docs/experiments.md.
@@ -35,9 +35,10 @@ RECIPES = {
         # what the observation shows (52% of test tasks in 12 moves, 64% of training tasks in 16).
         sft_oracle="local",
         sft_tasks=250,  # every training task: the ~160 the local oracle solves within 16 moves train
-        sft_epochs=40,  # 400 updates of 16, ~10 minutes: at 80 updates the move is still near chance (held-out
-        #   8%); 400 of 8 (half the time) start at 2% and diverged in RL (docs/experiments.md)
-        steps=18,  # 64 episodes of up to 16 turns make the last stage's steps ~30-45 s
+        sft_epochs=24,  # 240 updates of 16, ~8 minutes: at 80 updates the move is still near chance (held-out
+        #   8%), 240 start as high as 400 did (seed 0: 14%), 400 of 8 start at 2% and diverge in RL
+        #   (docs/experiments.md); 400 of 16 (~13 minutes) would leave RL no room in the budget
+        steps=18,  # 64 episodes of up to 16 turns, the groups dynamic sampling leaves out not scored: ~10-25 s a step
     ),
     "textcraft": dict(
         rounds=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
