@@ -36,8 +36,8 @@ RECIPES = {
         sft_oracle="local",
         sft_tasks=250,  # every training task: the ~160 the local oracle solves within 16 moves train
         sft_epochs=24,  # 240 updates of 16, ~8 minutes: at 80 updates the move is still near chance (held-out
-        #   8%), 240 start as high as 400 did (seed 0: 14%), 400 of 8 start at 2% and diverge in RL
-        #   (docs/experiments.md); 400 of 16 (~13 minutes) would leave RL no room in the budget
+        #   8%), 240 start about where 400 did (8-18% over seeds 0-2, against 6-26%), 400 of 8 start at 2%
+        #   and diverge in RL (docs/experiments.md); 400 of 16 (~13 minutes) leave RL no room in the budget
         steps=18,  # 64 episodes of up to 16 turns, the groups dynamic sampling leaves out not scored: ~10-25 s a step
     ),
     "textcraft": dict(
