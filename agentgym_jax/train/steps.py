@@ -296,7 +296,8 @@ def prepare(
     order = _length_order(batch, parts) if config.length_buckets > 1 and parts > 1 else None
     rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
     score_at = _at_length(score, length_buckets(batch.tokens.shape[1], config.length_buckets), per_position=True)
-    scored, run_lengths = jax.lax.map(lambda part: score_at((params, ref_params, critic_params), part), _split(rows, parts))
+    all_params = (params, ref_params, critic_params)
+    scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), _split(rows, parts))
     scored = _merge(scored)
     if order is not None:
         scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
@@ -500,7 +501,8 @@ def accumulated_update(
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
     """
     if config.length_buckets > 1 and config.num_microbatches > 1:
-        batch = jax.tree.map(lambda x: x[_length_order(batch, config.num_microbatches)], batch)
+        order = _length_order(batch, config.num_microbatches)
+        batch = jax.tree.map(lambda x: x[order], batch)
     micro = _split(batch, config.num_microbatches)
     weights = _share(micro.loss_mask, config.agg_mode)
     grad_fn = _at_length(
