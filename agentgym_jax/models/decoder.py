@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -138,14 +139,15 @@ def grouped_attention(
     return out.reshape(batch, seq, heads, head_dim)
 
 
-def _tile_visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """Whether any query of a tile sees any of its keys (positions [batch, q_block], [batch,
-    k_block]). A tile no query sees changes neither pass, so both skip it: FlashAttention's
-    causal skip (the tiles above the diagonal), and the tiles of padding. Exact for
-    `attention_mask`: some pair is visible iff some row's latest query is at or after its
-    earliest real key."""
+def _visit_if_seen(q_pos: jax.Array, k_pos: jax.Array, visit: Callable, carry: Any) -> Any:
+    """`visit(carry)` if any query of the tile sees any of its keys (positions [batch, q_block],
+    [batch, k_block]), else `carry` as it is. A tile no query sees changes neither pass, so both
+    skip it: FlashAttention's causal skip (the tiles above the diagonal), and the tiles of
+    padding. Exact for `attention_mask`: some pair is visible iff some row's latest query is at or
+    after its earliest real key."""
     earliest_key = jnp.min(jnp.where(k_pos >= 0, k_pos, jnp.iinfo(jnp.int32).max), axis=1)
-    return jnp.any(jnp.max(q_pos, axis=1) >= earliest_key)
+    seen = jnp.any(jnp.max(q_pos, axis=1) >= earliest_key)
+    return jax.lax.cond(seen, visit, lambda carry: carry, carry)
 
 
 def _block_scores(q, k, q_pos, k_pos):
@@ -197,7 +199,7 @@ def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
                 )
                 return new_max, total, acc
 
-            return jax.lax.cond(_tile_visible(qpi, kpj), visit, lambda carry: carry, carry), None
+            return _visit_if_seen(qpi, kpj, visit, carry), None
 
         stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
         init = (
@@ -255,7 +257,7 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
                 return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
                                        preferred_element_type=jnp.float32)
 
-            return jax.lax.cond(_tile_visible(qpi, kpj), visit, lambda dq: dq, dq), None
+            return _visit_if_seen(qpi, kpj, visit, dq), None
 
         batch, block, kv, group, dim = qi.shape
         dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb))
@@ -274,7 +276,7 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
                 dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
                 return dk, dv
 
-            return jax.lax.cond(_tile_visible(qpi, kpj), visit, lambda carry: carry, carry), None
+            return _visit_if_seen(qpi, kpj, visit, carry), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb))
@@ -306,7 +308,7 @@ def flash_attention(
     The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
     k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
     recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
-    scores. Both passes skip the tiles no query sees (`_tile_visible`: above the diagonal, or all
+    scores. Both passes skip the tiles no query sees (`_visit_if_seen`: above the diagonal, or all
     padding), close to half of a long causal sequence's. Plain XLA, so it runs on every backend.
     Returns [batch, seq, heads, head_dim].
     """
