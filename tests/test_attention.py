@@ -1,6 +1,5 @@
 """Blockwise (flash) attention against a float64 NumPy softmax and the dense `grouped_attention`:
-values and gradients, GQA, padding, positions that are not slot order, tilings that pad, and the
-tiles no query sees (skipped)."""
+values and gradients, GQA, padding, positions that are not slot order, and tilings that pad."""
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +55,7 @@ CASES = {
                                           [0, 1, -1, -1, -1, -1, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1]], np.int32)),
     # lengths no tile size divides well: queries and keys padded up to whole tiles
     "padded tiles": dict(seq=13, keys=13, block=4, q_pos=lambda: _right_padded(3, 13, [13, 9, 1]), k_pos=None),
-    # every row short: the last two query blocks are padding in every row, so no tile of theirs is
-    # visited (the outputs there must stay finite), and the tiles above the diagonal are skipped
+    # every row short: the last two query blocks are padding in every row (their outputs must stay finite)
     "short rows": dict(seq=20, keys=20, block=4, q_pos=lambda: _right_padded(3, 20, [11, 5, 2]), k_pos=None),
 }
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -139,17 +138,6 @@ def grouped_attention(
     return out.reshape(batch, seq, heads, head_dim)
 
 
-def _visit_if_seen(q_pos: jax.Array, k_pos: jax.Array, visit: Callable, carry: Any) -> Any:
-    """`visit(carry)` if any query of the tile sees any of its keys (positions [batch, q_block],
-    [batch, k_block]), else `carry` as it is. A tile no query sees changes neither pass, so both
-    skip it: FlashAttention's causal skip (the tiles above the diagonal), and the tiles of
-    padding. Exact for `attention_mask`: some pair is visible iff some row's latest query is at or
-    after its earliest real key."""
-    earliest_key = jnp.min(jnp.where(k_pos >= 0, k_pos, jnp.iinfo(jnp.int32).max), axis=1)
-    seen = jnp.any(jnp.max(q_pos, axis=1) >= earliest_key)
-    return jax.lax.cond(seen, visit, lambda carry: carry, carry)
-
-
 def _block_scores(q, k, q_pos, k_pos):
     """Scaled, masked scores [batch, kv, group, q_block, k_block] float32 of one tile, and its mask.
 
@@ -185,21 +173,17 @@ def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
         qi, qpi = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q]
 
         def key_block(carry, kv_block):
+            running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
             kj, vj, kpj = kv_block
-
-            def visit(carry):
-                running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
-                scores, _ = _block_scores(qi, kj, qpi, kpj)
-                new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
-                probs = jnp.exp(scores - new_max[..., None])
-                rescale = jnp.exp(running_max - new_max)
-                total = total * rescale + jnp.sum(probs, axis=-1)
-                acc = acc * rescale[..., None] + jnp.einsum(
-                    "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
-                )
-                return new_max, total, acc
-
-            return _visit_if_seen(qpi, kpj, visit, carry), None
+            scores, _ = _block_scores(qi, kj, qpi, kpj)
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            probs = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(running_max - new_max)
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum(
+                "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return (new_max, total, acc), None
 
         stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
         init = (
@@ -208,7 +192,6 @@ def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
             jnp.zeros((*stats_shape, qi.shape[-1]), jnp.float32),
         )
         (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb))
-        total = jnp.where(total > 0, total, 1.0)  # 0 only where no tile was visited: queries of padding, out 0
         out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [batch, block_q, kv, group, d]
         return out, running_max + jnp.log(total)
 
@@ -251,13 +234,9 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
 
         def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
             kj, vj, kpj = kv_block
-
-            def visit(dq):
-                _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
-                return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
-                                       preferred_element_type=jnp.float32)
-
-            return _visit_if_seen(qpi, kpj, visit, dq), None
+            _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
+                                   preferred_element_type=jnp.float32), None
 
         batch, block, kv, group, dim = qi.shape
         dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb))
@@ -267,16 +246,12 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
         kj, vj, kpj = inputs
 
         def step(carry, q_block):
+            dk, dv = carry
             qi, doi, lse_i, delta_i, qpi = q_block
-
-            def visit(carry):
-                dk, dv = carry
-                probs, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
-                dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
-                dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
-                return dk, dv
-
-            return _visit_if_seen(qpi, kpj, visit, carry), None
+            probs, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
+            dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            return (dk, dv), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb))
@@ -308,9 +283,7 @@ def flash_attention(
     The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
     k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
     recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
-    scores. Both passes skip the tiles no query sees (`_visit_if_seen`: above the diagonal, or all
-    padding), close to half of a long causal sequence's. Plain XLA, so it runs on every backend.
-    Returns [batch, seq, heads, head_dim].
+    scores. Plain XLA, so it runs on every backend. Returns [batch, seq, heads, head_dim].
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]

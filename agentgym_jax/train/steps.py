@@ -438,9 +438,9 @@ def _length_order(batch: Any, parts: int) -> jax.Array:
 
 def _at_length(fn: Callable, lengths: tuple[int, ...], per_position: bool = False) -> Callable:
     """`fn(params, batch)` run on `batch` cut to the shortest of `lengths` that holds its longest
-    row (one `lax.switch` branch per length; only the taken one runs), and that length; not run
-    at all (zeros, length 0) when no row trains a token, e.g. groups that dynamic sampling left
-    out. `per_position`: the output's [rows, length] leaves are padded back to `lengths[0]`.
+    row (one `lax.switch` branch per length; only the taken one runs), and that length; with
+    several lengths, not run at all (zeros, length 0) when no row trains a token, e.g. groups
+    that dynamic sampling left out. `per_position`: the output's [rows, length] leaves are padded back to `lengths[0]`.
 
     Exact: positions past a row's end are padding, which no real token attends to and no loss
     counts (nor any position of a row that trains no token), every loss aggregation is
@@ -457,6 +457,9 @@ def _at_length(fn: Callable, lengths: tuple[int, ...], per_position: bool = Fals
 
     def skip(params, batch):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(branches[0], params, batch))
+
+    if len(lengths) == 1:  # one length: no switch (a conditional costs the update memory at real shapes)
+        return lambda params, batch: (branches[0](params, batch), jnp.float32(full))
 
     def run(params, batch):
         needed = jnp.max(_row_lengths(batch))
