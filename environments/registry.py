@@ -19,6 +19,7 @@ ENVIRONMENTS: dict[str, str] = {
     "miniwob": "environments.miniwob.env:MiniWoBEnv",
     "search": "environments.search.env:SearchEnv",
     "sql": "environments.sql.env:SQLEnv",
+    "weather": "environments.tools.weather:WeatherEnv",
 }
 
 
