@@ -20,6 +20,8 @@ ENVIRONMENTS: dict[str, str] = {
     "search": "environments.search.env:SearchEnv",
     "sql": "environments.sql.env:SQLEnv",
     "weather": "environments.tools.weather:WeatherEnv",
+    "movie": "environments.tools.movie:MovieEnv",
+    "academia": "environments.tools.academia:AcademiaEnv",
 }
 
 
