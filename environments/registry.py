@@ -22,6 +22,8 @@ ENVIRONMENTS: dict[str, str] = {
     "weather": "environments.tools.weather:WeatherEnv",
     "movie": "environments.tools.movie:MovieEnv",
     "academia": "environments.tools.academia:AcademiaEnv",
+    "todo": "environments.tools.todo:TodoEnv",
+    "sheet": "environments.tools.sheet:SheetEnv",
 }
 
 
