@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
 from environments.tools.base import (
-    CHECK_VALID_ACTIONS, FINISH, Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure, tool_instruction)
+    Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure)
 
 PER_TEMPLATE = 25
 TASKS_VERSION = "academia-v1"
@@ -148,11 +148,10 @@ EXAMPLE = (
     "Observation: {\"authors\": [\"Derek J. de Solla Price\"], \"year\": 1965, \"venue\": \"Science\", \"n_citation\": 3078}\n"
     "Thought: It was published in 1965.\n\nAction: finish with Action Input: {\"answer\": 1965}\nObservation: 1965\n"
 )
-INSTRUCTION = tool_instruction(
+INTRO = (
     "You can use actions to help people solve problems about papers on scientometrics and their authors "
-    "(an OpenAlex bibliography).", TOOLS + (CHECK_VALID_ACTIONS, FINISH),
-    "Load a graph before checking its nodes or edges. Name papers by their exact titles and authors by their full names.",
-    EXAMPLE)
+    "(an OpenAlex bibliography).")
+RULES = "Load a graph before checking its nodes or edges. Name papers by their exact titles and authors by their full names."
 
 
 # ---- tasks ----
@@ -313,7 +312,9 @@ class AcademiaEnv(ToolEnvironment):
     """Questions about papers and authors answered from the two graphs; loading is the only state."""
 
     name: ClassVar[str] = "academia"
-    instruction: ClassVar[str] = INSTRUCTION
+    intro: ClassVar[str] = INTRO
+    rules: ClassVar[str] = RULES
+    example: ClassVar[str] = EXAMPLE
     tools: ClassVar[tuple[Tool, ...]] = TOOLS
 
     @classmethod

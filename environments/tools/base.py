@@ -173,11 +173,24 @@ def _list_from_text(text: str) -> list[Any] | None:
 
 class ToolEnvironment(Environment):
     """One episode of a tool task. Subclasses set `tools` (besides check_valid_actions and
-    finish), `instruction`, `all_tasks()`, the `tool_<name>` methods, and for stateful tasks
-    `start`, `state_progress` and `state_matches`."""
+    finish), the prompt parts `intro`, `rules` and `example` (the instruction is built from
+    them), `all_tasks()`, the `tool_<name>` methods, and for stateful tasks `start`,
+    `state_progress`, `state_matches` and `next_call`."""
 
     tools: ClassVar[tuple[Tool, ...]]
+    intro: ClassVar[str]
+    rules: ClassVar[str]
+    example: ClassVar[str]
     oracles: ClassVar[tuple[str, ...]] = ("tool_call",)  # the same oracle, written as <tool_call> calls
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "tools" in cls.__dict__:
+            cls.instruction = cls.build_instruction(cls.all_tools())
+
+    @classmethod
+    def build_instruction(cls, tools: Sequence[Tool], note: str = "") -> str:
+        return tool_instruction(cls.intro, tools, f"{cls.rules}{note}", cls.example)
 
     def __init__(self) -> None:
         self.task: ToolTask | None = None
@@ -207,7 +220,19 @@ class ToolEnvironment(Environment):
 
     def visible_tools(self) -> list[Tool]:
         """The tools this session shows (a perturbation may hide or change some)."""
-        return list(self.all_tools())
+        return list(self.tool_table().values())
+
+    def tool_table(self) -> dict[str, Tool]:
+        """The tools a call may name, as this session states them (a perturbation may rename
+        their parameters: `original_arguments` maps them back)."""
+        return {tool.name: tool for tool in self.all_tools()}
+
+    def original_arguments(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return arguments
+
+    def present_call(self, call: ToolCall) -> ToolCall:
+        """A call as this session's tools state it (the oracle writes its calls through this)."""
+        return call
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -254,10 +279,7 @@ class ToolEnvironment(Environment):
             self.facts.add("answer")
             observation = f"Observation: {render(self.answer) if self.answer is not None else 'finished'}"
             return self._answer(observation, True, invalid=False, call=call, value=self.answer)
-        if call.name == CHECK_VALID_ACTIONS.name:
-            result = Result([t.name for t in self.all_tools()])
-        else:
-            result = getattr(self, f"tool_{call.name}")(**call.arguments)
+        result = getattr(self, f"tool_{call.name}")(**call.arguments)
         self.facts |= result.facts
         return self._answer(f"Observation: {render(result.value)}{NEXT}", out_of_turns, invalid=False,
                             call=call, value=result.value, failed=not result.ok)
@@ -265,11 +287,15 @@ class ToolEnvironment(Environment):
     def read_call(self, text: str) -> ToolCall:
         """Model text -> a checked call of a known tool, or `ToolCallError` saying what is wrong."""
         call = parse_tool_call(text)
-        tools = {t.name: t for t in self.all_tools()}
+        tools = self.tool_table()
         tool = tools.get(call.name)
         if tool is None:
             raise ToolCallError(f"There is no tool {call.name!r}; the tools are: {', '.join(tools)}.")
-        return ToolCall(tool.name, check_arguments(tool.schema()["function"]["parameters"], call.arguments, tool.name))
+        arguments = check_arguments(tool.schema()["function"]["parameters"], call.arguments, tool.name)
+        return ToolCall(tool.name, self.original_arguments(tool.name, arguments))
+
+    def tool_check_valid_actions(self) -> Result:
+        return Result([tool.name for tool in self.all_tools()])
 
     def _answer(self, observation: str, done: bool, invalid: bool, call: ToolCall | None = None,
                 value: Any = None, failed: bool = False) -> StepResult:
@@ -338,7 +364,7 @@ class ToolEnvironment(Environment):
         return ToolCall(FINISH.name, {"answer": answer})
 
     def oracle_action(self) -> str:
-        return format_agentgym(self.next_call())
+        return format_agentgym(self.present_call(self.next_call()))
 
     def named_oracle_action(self, oracle: str) -> str:
-        return format_hermes(self.next_call())
+        return format_hermes(self.present_call(self.next_call()))

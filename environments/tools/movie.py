@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
 from environments.tools.base import (
-    CHECK_VALID_ACTIONS, FINISH, Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure, tool_instruction)
+    Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure)
 
 GENRES = ("Action", "Animation", "Comedy", "Drama", "Documentary", "Romance", "Short")
 KNOWN_VOTES = 5000  # questions ask about films this many IMDb users rated
@@ -99,10 +99,8 @@ EXAMPLE = (
     "Observation: {\"id\": \"22460\", \"title\": \"Heat\", \"year\": 1995, \"length_minutes\": 188, ...}\n"
     "Thought: It is 188 minutes long.\n\nAction: finish with Action Input: {\"answer\": 188}\nObservation: 188\n"
 )
-INSTRUCTION = tool_instruction(
-    "You can use actions to help people solve problems about movies (IMDb data of 2005).",
-    TOOLS + (CHECK_VALID_ACTIONS, FINISH),
-    "Look movies up with get_search_movie before asking for their details; do not guess ids.", EXAMPLE)
+INTRO = "You can use actions to help people solve problems about movies (IMDb data of 2005)."
+RULES = "Look movies up with get_search_movie before asking for their details; do not guess ids."
 
 
 # ---- tasks ----
@@ -221,7 +219,9 @@ class MovieEnv(ToolEnvironment):
     """Questions about films answered from the IMDb table; stateless tools."""
 
     name: ClassVar[str] = "movie"
-    instruction: ClassVar[str] = INSTRUCTION
+    intro: ClassVar[str] = INTRO
+    rules: ClassVar[str] = RULES
+    example: ClassVar[str] = EXAMPLE
     tools: ClassVar[tuple[Tool, ...]] = TOOLS
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
 from environments.tools.base import (
-    CHECK_VALID_ACTIONS, FINISH, Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure, tool_instruction)
+    Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure)
 
 TASKS_VERSION = "sheet-v1"
 PER_TEMPLATE = 20
@@ -166,12 +166,12 @@ EXAMPLE = (
     "\"operator\": \"MAX\"}\nObservation: 150\n"
     "Thought: The largest horsepower is 150.\n\nAction: finish with Action Input: {\"answer\": 150}\nObservation: 150\n"
 )
-INSTRUCTION = tool_instruction(
+INTRO = (
     "You can use actions to help people work with the sheets of a spreadsheet (\"Sheet1\": cars, \"Sheet2\": "
-    "Seattle weather).", TOOLS + (CHECK_VALID_ACTIONS, FINISH),
+    "Seattle weather).")
+RULES = (
     "Open a sheet before operating it. Rows and columns are numbered from 1 and row 1 is the header. Change only "
-    "what the goal asks for. For a question, finish with the answer; for an operation, finish with the answer 'done'.",
-    EXAMPLE)
+    "what the goal asks for. For a question, finish with the answer; for an operation, finish with the answer 'done'.")
 
 
 # ---- tasks ----
@@ -323,7 +323,9 @@ class SheetEnv(ToolEnvironment):
     """A workbook per episode; operations are verified against the goal workbook."""
 
     name: ClassVar[str] = "sheet"
-    instruction: ClassVar[str] = INSTRUCTION
+    intro: ClassVar[str] = INTRO
+    rules: ClassVar[str] = RULES
+    example: ClassVar[str] = EXAMPLE
     tools: ClassVar[tuple[Tool, ...]] = TOOLS
 
     @classmethod

@@ -30,7 +30,7 @@ from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
 from environments.tools.academia import graphs
 from environments.tools.base import (
-    CHECK_VALID_ACTIONS, FINISH, Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure, tool_instruction)
+    Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure)
 from environments.tools.movie import known_films
 
 TASKS_VERSION = "todo-v1"
@@ -172,11 +172,10 @@ EXAMPLE = (
     "Observation: {\"message\": \"Complete task successfully.\", ...}\n"
     "Thought: Done.\n\nAction: finish with Action Input: {\"answer\": \"done\"}\nObservation: done\n"
 )
-INSTRUCTION = tool_instruction(
-    "You can use actions to help people manage their to-do list (projects and tasks).",
-    TOOLS + (CHECK_VALID_ACTIONS, FINISH),
+INTRO = "You can use actions to help people manage their to-do list (projects and tasks)."
+RULES = (
     "Find ids with get_projects and get_tasks; do not guess them. Change only what the goal asks for. For a question, "
-    "finish with the answer; for an operation, finish with the answer 'done'.", EXAMPLE)
+    "finish with the answer; for an operation, finish with the answer 'done'.")
 
 
 # ---- tasks ----
@@ -341,7 +340,9 @@ class TodoEnv(ToolEnvironment):
     """A to-do list per episode; operations are verified against the goal state."""
 
     name: ClassVar[str] = "todo"
-    instruction: ClassVar[str] = INSTRUCTION
+    intro: ClassVar[str] = INTRO
+    rules: ClassVar[str] = RULES
+    example: ClassVar[str] = EXAMPLE
     tools: ClassVar[tuple[Tool, ...]] = TOOLS
 
     @classmethod

@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
 from environments.tools.base import (
-    CHECK_VALID_ACTIONS, FINISH, Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure, tool_instruction)
+    Result, Step, Tool, ToolEnvironment, ToolTask, arg, failure)
 
 NEAR_KM = 50.0
 MAX_SPAN_DAYS = 30
@@ -198,12 +198,11 @@ EXAMPLE = (
     "Thought: The lowest temperature was -2.8 °C.\n\nAction: finish with Action Input: {\"answer\": -2.8}\n"
     "Observation: -2.8\n"
 )
-INSTRUCTION = tool_instruction(
-    "You can use actions to help people solve problems about the weather.", TOOLS + (CHECK_VALID_ACTIONS, FINISH),
+INTRO = "You can use actions to help people solve problems about the weather."
+RULES = (
     "If you want to get the latitude and longitude information of a place, you must call \"get_latitude_longitude\"! "
     "Do not generate it by yourself which maybe wrong. Weather records exist for Seattle, San Francisco and "
-    "New York's airports (John F Kennedy Intl, LaGuardia, Newark Intl).",
-    EXAMPLE)
+    "New York's airports (John F Kennedy Intl, LaGuardia, Newark Intl).")
 
 
 # ---- tasks ----
@@ -441,7 +440,9 @@ class WeatherEnv(ToolEnvironment):
     """Weather questions answered with recorded weather; stateless tools."""
 
     name: ClassVar[str] = "weather"
-    instruction: ClassVar[str] = INSTRUCTION
+    intro: ClassVar[str] = INTRO
+    rules: ClassVar[str] = RULES
+    example: ClassVar[str] = EXAMPLE
     tools: ClassVar[tuple[Tool, ...]] = TOOLS
 
     @classmethod
