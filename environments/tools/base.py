@@ -277,9 +277,10 @@ class ToolEnvironment(Environment):
         if call.name == FINISH.name:
             self.finished, self.answer = True, call.arguments.get("answer")
             self.facts.add("answer")
+            self.on_finish()
             observation = f"Observation: {render(self.answer) if self.answer is not None else 'finished'}"
             return self._answer(observation, True, invalid=False, call=call, value=self.answer)
-        result = getattr(self, f"tool_{call.name}")(**call.arguments)
+        result = self.run_tool(call)
         self.facts |= result.facts
         return self._answer(f"Observation: {render(result.value)}{NEXT}", out_of_turns, invalid=False,
                             call=call, value=result.value, failed=not result.ok)
@@ -293,6 +294,13 @@ class ToolEnvironment(Environment):
             raise ToolCallError(f"There is no tool {call.name!r}; the tools are: {', '.join(tools)}.")
         arguments = check_arguments(tool.schema()["function"]["parameters"], call.arguments, tool.name)
         return ToolCall(tool.name, self.original_arguments(tool.name, arguments))
+
+    def on_finish(self) -> None:
+        """Called once when the agent calls finish, before the step is scored."""
+
+    def run_tool(self, call: ToolCall) -> Result:
+        """Runs a checked call (here: the method `tool_<name>`)."""
+        return getattr(self, f"tool_{call.name}")(**call.arguments)
 
     def tool_check_valid_actions(self) -> Result:
         return Result([tool.name for tool in self.all_tools()])
