@@ -100,10 +100,10 @@ class PerturbedEnvironment(Environment):
         else:
             result = super().step(action)
         observation = result.observation
-        if self.perturbation.truncate and len(observation) > self.perturbation.truncate:
-            observation = observation[:self.perturbation.truncate] + TRUNCATED
         if self.perturbation.noise:
             observation = noisy(observation, self.perturbation.noise, self._rng("noise"))
+        if self.perturbation.truncate and len(observation) > self.perturbation.truncate:
+            observation = observation[:self.perturbation.truncate] + TRUNCATED
         self._turn += 1
         self._perturbed = observation
         return dataclasses.replace(result, observation=observation)

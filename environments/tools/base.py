@@ -329,14 +329,13 @@ class ToolEnvironment(Environment):
         return frozenset().union(*(step.facts for step in self.task.plan)) | {"answer"}
 
     def progress(self) -> float:
-        """The share of sub-goals reached: facts uncovered, plus the goal state's parts for a
-        stateful task; an answer counts only when it is right."""
+        """The share of sub-goals reached: the facts uncovered, the changed parts of the goal
+        state already in place, and the finish, which counts only when the task is solved (so
+        progress reaches 1 exactly on success)."""
         goals = self.subgoals() - {"answer"}
-        reached = len(goals & self.facts)
-        total = len(goals) + 1
         done_parts, parts = self.state_progress()
-        reached, total = reached + done_parts, total + parts
-        return (reached + (1 if self.answer_right() else 0)) / total
+        reached = len(goals & self.facts) + done_parts + (1 if self.verify() else 0)
+        return reached / (len(goals) + parts + 1)
 
     def state_progress(self) -> tuple[int, int]:
         """(parts of the goal state reached, parts in all); (0, 0) where nothing changes."""

@@ -137,6 +137,7 @@ def _plain_call(line: str) -> ToolCall:
     name, rest = line[:end], line[end:].strip()
     if not name:
         raise ToolCallError(f"No tool call found in {_quote(line)}. {FORMAT_HELP}")
+    _check_name(name)
     if not rest:
         return ToolCall(name, {})
     if rest.startswith("{"):
