@@ -276,7 +276,6 @@ class ToolEnvironment(Environment):
             return self._answer(f"Invalid action: {e}", out_of_turns, invalid=True)
         if call.name == FINISH.name:
             self.finished, self.answer = True, call.arguments.get("answer")
-            self.facts.add("answer")
             self.on_finish()
             observation = f"Observation: {render(self.answer) if self.answer is not None else 'finished'}"
             return self._answer(observation, True, invalid=False, call=call, value=self.answer)
@@ -326,18 +325,19 @@ class ToolEnvironment(Environment):
     # ---- scoring ----
 
     def subgoals(self) -> frozenset[str]:
-        return frozenset().union(*(step.facts for step in self.task.plan)) | {"answer"}
+        """The facts the task's solution uncovers."""
+        return frozenset().union(*(step.facts for step in self.task.plan))
 
     def progress(self) -> float:
         """The share of sub-goals reached: the facts uncovered, the changed parts of the goal
         state already in place, and the finish, which counts only when the task is solved (so
         progress reaches 1 exactly on success)."""
-        goals = self.subgoals() - {"answer"}
+        goals = self.subgoals()
         done_parts, parts = self.state_progress()
         reached = len(goals & self.facts) + done_parts + (1 if self.verify() else 0)
         return reached / (len(goals) + parts + 1)
 
-    def state_progress(self) -> tuple[int, int]:
+    def state_progress(self) -> tuple[float, int]:
         """(parts of the goal state reached, parts in all); (0, 0) where nothing changes."""
         return 0, 0
 

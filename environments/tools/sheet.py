@@ -19,7 +19,7 @@ import functools
 import json
 import math
 import random
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar
 
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data

@@ -24,7 +24,7 @@ import functools
 import io
 import random
 import zipfile
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar
 
 from agentgym_jax.envs.protocol.tool_calls import ToolCall
 from environments.tools import data
