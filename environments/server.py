@@ -289,6 +289,13 @@ class EnvServer:
     async def tasks(self, request: web.Request) -> web.Response:
         return web.Response(text=self.tasks_body, content_type="application/json")
 
+    async def tools(self, request: web.Request) -> web.Response:
+        """The class's tools, or with `?id=` the session's (which a perturbation may change)."""
+        if not any(key in request.query for key in protocol.SESSION_ID_ALIASES):
+            return web.json_response({"tools": self.env_cls.tool_schemas()})
+        tools = await self._query(request, "/tools", lambda env: env.session_tool_schemas(), needs_episode=False)
+        return web.json_response({"tools": tools})
+
     async def close_all(self) -> None:
         for session in self.table.all():
             self.table.pop(session.id)
@@ -348,6 +355,7 @@ def make_app(
         ("POST", "/close", server.close),
         ("GET", "/health", server.health),
         ("GET", "/tasks", server.tasks),
+        ("GET", "/tools", server.tools),
     ] + [("GET", f"/{name}", server.extra_query(name)) for name in env_cls.extra_queries]
     for prefix in prefixes:
         app.router.add_routes([web.route(method, prefix + path, handler) for method, path, handler in routes])

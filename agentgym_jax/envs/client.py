@@ -1,4 +1,4 @@
-"""Async HTTP client for one environment server (the protocol in `protocol.py`).
+"""Async HTTP client for one environment server (the protocol in `protocol/`).
 
 One `EnvClient` per server URL; many clients share one `aiohttp.ClientSession` (one connection
 pool). Failures come back typed so callers can decide what to retry:

@@ -3,7 +3,9 @@
 AgentGym-compatible: `POST /create` -> `{"id"}`; `POST /reset {id, data_idx}`;
 `POST /step {id, action}` -> `{observation, reward, done, info}`; `GET /observation?id=`;
 `GET /available_actions?id=`; `POST /close {id}`; plus `GET /health` and `GET /tasks`.
-Our extension: `GET /oracle_action?id=` (the next action of the environment's oracle).
+Our extensions: `GET /oracle_action?id=` (the next action of the environment's oracle) and
+`GET /tools` (`?id=` for a session's own view): the tools of a tool environment in the OpenAI
+function format (`tool_calls.py` parses calls to them), `[]` elsewhere.
 
 Errors are real HTTP errors with a JSON body `{"error": "..."}`. This module imports nothing
 heavy (no jax) so that servers can use it.
@@ -31,6 +33,7 @@ ENDPOINTS = (
     "POST /close",
     "GET /health",
     "GET /tasks",
+    "GET /tools",
 )
 
 

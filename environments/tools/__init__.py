@@ -1,0 +1,1 @@
+"""AgentGym's tool environments (Weather, Movie, Academia, TODOList, Sheet) on packaged data."""
