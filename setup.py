@@ -10,6 +10,7 @@ CORE = [
     "tokenizers",
     "sentencepiece",
     "safetensors",
+    "gguf",  # pretrained models shipped as GGUF (models/gguf.py)
     "ray",
     "aiohttp",
     "chex",
@@ -39,7 +40,8 @@ ENVS = [
     "biblium",  # academia tools: its sample OpenAlex bibliography (613 papers on scientometrics)
     "mcp",  # the MCP bridge (environments/mcp/): the official Model Context Protocol SDK
 ]
-TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "nbformat", "nbclient", "ipykernel"]
+TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "accelerate",  # transformers loads GGUF with it
+        "nbformat", "nbclient", "ipykernel"]
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
 TPU = ["jax[tpu]"]
 CUDA = ["jax[cuda12]"]

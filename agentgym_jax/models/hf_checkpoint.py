@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -312,37 +314,60 @@ def save_pretrained(
         check_tokenizer(tokenizer_dir, config)
     writer = jax.process_index() == 0
 
-    entries = list(_hf_tensors(params, config))
-    shards: list[list[tuple[str, _Layout, jax.Array]]] = [[]]
-    shard_bytes = 0
-    for entry in entries:
-        size = math.prod(entry[1].hf_shape) * np_dtype.itemsize
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(entry)
-        shard_bytes += size
-
     if writer:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config.to_hf_dict(), f, indent=2)
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    entries = [
+        (name, math.prod(layout.hf_shape) * np_dtype.itemsize, functools.partial(_to_hf, x, layout, np_dtype))
+        for name, layout, x in _hf_tensors(params, config)
     ]
-    weight_map, total = {}, 0
-    for file_name, shard in zip(names, shards):
-        tensors = {name: _to_hf(x, layout, np_dtype) for name, layout, x in shard}
-        total += sum(t.nbytes for t in tensors.values())
-        weight_map.update({name: file_name for name in tensors})
-        if writer:
-            save_file(tensors, os.path.join(folder, file_name), metadata={"format": "pt"})
-        del tensors
-    if writer and len(shards) > 1:
-        with open(os.path.join(folder, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_tensors(folder, entries, max_shard_bytes=max_shard_bytes, write=writer)
     if writer and tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             source = os.path.join(tokenizer_dir, name)
             if os.path.isfile(source):
                 shutil.copy(source, os.path.join(folder, name))
+
+
+def write_tensors(
+    folder: str | os.PathLike,
+    entries: Sequence[tuple[str, int, Callable[[], np.ndarray]]],
+    *,
+    max_shard_bytes: int = 4 * 2**30,
+    write: bool = True,
+    progress: bool = False,
+) -> None:
+    """Writes `(name, bytes, make)` tensors as `model.safetensors`, or as numbered shards of at most
+    `max_shard_bytes` with an index, making one shard's arrays at a time (never the whole model).
+
+    Every `make` is called even where `write` is False (a multi-host export gathers in it).
+    """
+    shards: list[list[tuple[str, int, Callable[[], np.ndarray]]]] = [[]]
+    shard_bytes = 0
+    for entry in entries:
+        if shards[-1] and shard_bytes + entry[1] > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(entry)
+        shard_bytes += entry[1]
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    bar = tqdm.tqdm(total=len(entries), desc="writing tensors", unit="tensor", disable=not progress)
+    weight_map, total = {}, 0
+    for file_name, shard in zip(names, shards):
+        tensors = {}
+        for name, _, make in shard:
+            tensors[name] = make()
+            bar.update()
+        total += sum(t.nbytes for t in tensors.values())
+        weight_map.update({name: file_name for name in tensors})
+        if write:
+            os.makedirs(folder, exist_ok=True)
+            save_file(tensors, os.path.join(folder, file_name), metadata={"format": "pt"})
+        del tensors
+    bar.close()
+    if write and len(shards) > 1:
+        with open(os.path.join(folder, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
