@@ -53,6 +53,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.head_dim = 32
     config.model.param_dtype = "float32"
     config.model.compute_dtype = "float32"
+    # What trains (models/tuning.py, docs/models.md): every parameter (both 0), LoRA adapters of rank
+    # lora_rank on lora_targets (scaled by lora_alpha / lora_rank), and/or only the top trainable_layers
+    # blocks (the backward pass stops below them). The frozen rest is held in compute_dtype.
+    config.model.lora_rank = 0
+    config.model.lora_alpha = 16.0
+    config.model.lora_targets = "q,k,v,o,gate,up,down"
+    config.model.trainable_layers = 0
     config.model.remat = "none"  # what a layer keeps for the backward: none (no remat) | full (its input) | dots
     config.model.logprob_chunk = 1024  # positions projected to the vocabulary at a time in the losses
     # auto: the Pallas kernel where it is written for (splash attention on TPU for training rows, the

@@ -43,21 +43,26 @@ class Checkpointer:
         """Saves when `step` is on the interval (or `force`); blocks until it is on disk."""
         if not (force or self.should_save(step)):
             return False
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_without_frozen(state)), meta=ocp.args.JsonSave(meta))
         saved = self._manager.save(step, args=args, force=True)
         self._manager.wait_until_finished()
         return saved
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores into the shapes, dtypes and shardings of `abstract_state` (arrays or
-        `jax.ShapeDtypeStruct`s); `step=None` means the latest."""
+        `jax.ShapeDtypeStruct`s); `step=None` means the latest. Frozen parameters (a train state's
+        `frozen`: a tuned run's base weights) are not in checkpoints: those of `abstract_state` are
+        put back."""
         step = self.latest_step if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
-        target = jax.tree.map(_abstract, abstract_state)
+        target = jax.tree.map(_abstract, _without_frozen(abstract_state))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
-        return restored["state"], dict(restored["meta"])
+        frozen = [x.frozen for x in jax.tree.leaves(abstract_state, is_leaf=_has_frozen) if _has_frozen(x)]
+        state = jax.tree.map(lambda x: x.replace(frozen=frozen.pop(0)) if _has_frozen(x) else x, restored["state"],
+                             is_leaf=_has_frozen)
+        return state, dict(restored["meta"])
 
     def restore_raw(self, step: int | None = None) -> Any:
         """The saved state as nested lists/dicts of numpy arrays, without a target and whatever
@@ -75,6 +80,16 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _has_frozen(x: Any) -> bool:
+    return hasattr(x, "frozen") and hasattr(x, "replace")
+
+
+def _without_frozen(tree: Any) -> Any:
+    """`tree` with every train state's frozen parameters left out (they are not trained: a
+    checkpoint of a LoRA run holds its adapters, not the base model)."""
+    return jax.tree.map(lambda x: x.replace(frozen={}) if _has_frozen(x) else x, tree, is_leaf=_has_frozen)
 
 
 def _abstract(x: Any) -> Any:

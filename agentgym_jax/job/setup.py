@@ -35,7 +35,7 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.models import decoder, fetch, hf_checkpoint
+from agentgym_jax.models import decoder, fetch, hf_checkpoint, tuning
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
@@ -270,6 +270,67 @@ def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: 
     return partition.sharded_init(init, rng, mesh)
 
 
+def tuning_of(config: ml_collections.ConfigDict) -> tuning.Tuning:
+    """What trains (`config.model.lora_rank`, `lora_alpha`, `lora_targets`, `trainable_layers`)."""
+    m = config.model
+    targets = m.get("lora_targets", "q,k,v,o,gate,up,down")
+    try:
+        return tuning.Tuning(
+            lora_rank=m.get("lora_rank", 0), lora_alpha=m.get("lora_alpha", 16.0),
+            lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if isinstance(targets, str) else tuple(targets),
+            trainable_layers=m.get("trainable_layers", 0),
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.model: {e}") from e
+
+
+def require_untuned(config: ml_collections.ConfigDict) -> None:
+    """A one-line error for the modes that train every parameter (agentevol, dpo)."""
+    if not tuning_of(config).full:
+        raise ConfigError(f"mode={config.mode} trains every parameter: model.lora_rank and model.trainable_layers "
+                          "must be 0 (they are supported by mode=rl and mode=sft)")
+
+
+def split_params(config: ml_collections.ConfigDict, params, mesh: jax.sharding.Mesh, rng: jax.Array):
+    """(trainable, frozen) of a policy's `params` as `config.model` tunes it (`models/tuning.py`),
+    placed over `mesh`; the frozen part in the compute dtype. Untuned: (params, {})."""
+    spec = tuning_of(config)
+    if spec.full:
+        return params, {}
+    split = functools.partial(tuning.split, tuning=spec, frozen_dtype=jnp.dtype(config.model.compute_dtype))
+    try:
+        shapes = jax.eval_shape(split, params, rng=rng)
+    except ValueError as e:
+        raise ConfigError(f"config.model: {e}") from e
+    return jax.jit(split, out_shardings=partition.param_shardings(shapes, mesh))(params, rng=rng)
+
+
+def policy_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, params, frozen):
+    """The plain policy of a (possibly tuned) train state's `params` and `frozen`: adapters folded in
+    and layers stacked again, in the compute dtype (what the sampler and evaluation read; made once
+    per rollout), placed over `mesh` like any policy. Untuned: `params` as they are."""
+    if not frozen:
+        return params
+    merged = _merge(tuning_of(config).lora_scale, config.model.compute_dtype)(params, frozen)
+    return jax.device_put(merged, partition.param_shardings(merged, mesh))
+
+
+def export_policy(config: ml_collections.ConfigDict, workdir: pathlib.Path, model: ModelConfig, mesh: jax.sharding.Mesh,
+                  params, frozen) -> pathlib.Path:
+    """`<workdir>/hf`: a tuned run's policy merged into a Hugging Face folder (every process calls it;
+    its checkpoints hold only what trained). `python -m agentgym_jax.launch --config=configs/eval.py
+    --config.policy=hf:<workdir>/hf` evaluates it."""
+    out = workdir / "hf"
+    merged = {k: v for k, v in policy_params(config, mesh, params, frozen).items() if k != "value_head"}
+    hf_checkpoint.save_pretrained(merged, model, out, tokenizer_dir=tokenizer_dir(config, workdir), dtype=config.model.compute_dtype)
+    return out
+
+
+@functools.cache
+def _merge(lora_scale: float, dtype: str) -> Callable:
+    return jax.jit(functools.partial(tuning.merge, lora_scale=lora_scale, dtype=jnp.dtype(dtype)))
+
+
 def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, mesh: jax.sharding.Mesh, dtype):
     """The policy params of a `(TrainState, ...)` checkpoint (step -1: the latest), placed in
     their shardings over `mesh`; the critic's value head is left out."""
@@ -279,6 +340,9 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
     finally:
         ckpt.close()
     policy = {k: v for k, v in state["params"].items() if k != "value_head"}  # the critic is not the policy
+    if "embed" not in policy:  # a tuned run (LoRA, top layers): the checkpoint holds what trained, not the model
+        raise ConfigError(f"{directory} holds a tuned run's trainable parameters only (model.lora_rank / "
+                          f"trainable_layers); evaluate its merged export: policy=hf:{directory.parent / 'hf'}")
     params = jax.tree.map(lambda x: np.asarray(x, dtype), policy)
     shardings = partition.param_shardings(hf_checkpoint.param_shapes(model, dtype), mesh)
     return jax.tree.map(distributed.rows_from_host, params, shardings)

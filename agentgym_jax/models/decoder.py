@@ -313,6 +313,28 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
+class LoRA(nn.Module):
+    """The low-rank update `scale * (x @ a) @ b` of one projection (`models/tuning.py`): reads the
+    adapters `a` [*in, rank], `b` [rank, *out] the parameters carry (they are made by
+    `tuning.init_adapters`, never initialised here)."""
+
+    scale: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        a, b = self.get_variable("params", "a"), self.get_variable("params", "b")
+        n_in, rank = a.ndim - 1, a.shape[-1]
+        low = x.reshape(*x.shape[: x.ndim - n_in], -1) @ a.reshape(-1, rank).astype(self.dtype)  # [..., rank]
+        out = low @ b.reshape(rank, -1).astype(self.dtype)
+        return self.scale * out.reshape(*low.shape[:-1], *b.shape[1:])
+
+
+def _adapted(y: jax.Array, x: jax.Array, name: str, targets: tuple[str, ...], scale: float, dtype: jnp.dtype) -> jax.Array:
+    """`y` (the projection `name` of `x`) plus its LoRA update where `name` is adapted."""
+    return y + LoRA(scale, dtype, name=f"{name}_lora")(x) if name in targets else y
+
+
 class Attention(nn.Module):
     """Grouped-query attention; with a cache, also the chunk's keys and values to store.
 
@@ -330,6 +352,8 @@ class Attention(nn.Module):
     layer: int | None = None
     kernels: AttentionKernels = AttentionKernels()
     activation_sharding: jax.sharding.Sharding | None = None  # its mesh runs the Pallas kernels per shard
+    lora_targets: tuple[str, ...] = ()  # adapted projections ("q", "k", "v", "o"), see `LoRA`
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
@@ -337,9 +361,10 @@ class Attention(nn.Module):
         are the cached slots' positions before this chunk is written (-1: empty)."""
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
-        q = nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x)
-        k = nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k_proj", **dense)(x)
-        v = nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v_proj", **dense)(x)
+        lora = functools.partial(_adapted, targets=self.lora_targets, scale=self.lora_scale, dtype=self.dtype)
+        q = lora(nn.DenseGeneral((c.num_heads, c.head_dim), use_bias=c.qkv_bias, name="q_proj", **dense)(x), x, "q")
+        k = lora(nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k_proj", **dense)(x), x, "k")
+        v = lora(nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v_proj", **dense)(x), x, "v")
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.param_dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
@@ -378,7 +403,7 @@ class Attention(nn.Module):
             else:
                 out = flash_attention(q, cache_k, cache_v, positions, key_positions, **blocks)
             new_kv = (k, v) if self.layer is None else written
-        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out)
+        out = lora(nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o_proj", **dense)(out), out, "o")
         return out, new_kv
 
 
@@ -386,13 +411,17 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    lora_targets: tuple[str, ...] = ()  # adapted projections ("gate", "up", "down"), see `LoRA`
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x):
         dense = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
-        gate = nn.Dense(self.config.intermediate_size, name="gate_proj", **dense)(x)
-        up = nn.Dense(self.config.intermediate_size, name="up_proj", **dense)(x)
-        return nn.Dense(self.config.hidden_size, name="down_proj", **dense)(nn.silu(gate) * up)
+        lora = functools.partial(_adapted, targets=self.lora_targets, scale=self.lora_scale, dtype=self.dtype)
+        gate = lora(nn.Dense(self.config.intermediate_size, name="gate_proj", **dense)(x), x, "gate")
+        up = lora(nn.Dense(self.config.intermediate_size, name="up_proj", **dense)(x), x, "up")
+        hidden = nn.silu(gate) * up
+        return lora(nn.Dense(self.config.hidden_size, name="down_proj", **dense)(hidden), hidden, "down")
 
 
 class Block(nn.Module):
@@ -404,17 +433,22 @@ class Block(nn.Module):
     activation_sharding: jax.sharding.Sharding | None = None
     layer: int | None = None  # set when the layers run as a Python loop (see `Attention`)
     kernels: AttentionKernels = AttentionKernels()
+    lora_targets: tuple[str, ...] = ()  # adapted projections, see `LoRA`
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        lora = dict(lora_scale=self.lora_scale)
         h, new_kv = Attention(c, layer=self.layer, kernels=self.kernels, activation_sharding=self.activation_sharding,
-                              name="attn", **kw)(
+                              lora_targets=tuple(t for t in self.lora_targets if t in ("q", "k", "v", "o")), name="attn", **lora, **kw)(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, positions,
             cache_positions, index,
         )
         x = x + h
-        x = x + MLP(c, name="mlp", **kw)(RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
+        mlp_targets = tuple(t for t in self.lora_targets if t in ("gate", "up", "down"))
+        x = x + MLP(c, lora_targets=mlp_targets, name="mlp", **lora, **kw)(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
         return x, new_kv
@@ -437,10 +471,19 @@ class Decoder(nn.Module):
     scan_layers: bool = True
     project: bool = True
     kernels: AttentionKernels = AttentionKernels()
+    # Tuned training (`models/tuning.py`): the bottom `frozen_layers` blocks run as their own scan
+    # (`frozen_layers` params) with the gradient stopped at their output; the `layers` above carry
+    # the LoRA adapters of `lora_targets`.
+    frozen_layers: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None):
         c = self.config
+        if cache is not None and (self.frozen_layers or self.lora_targets):
+            raise ValueError("parameters split for training (frozen_layers, LoRA adapters) do not decode with a cache: "
+                             "merge them first (models.tuning.merge)")
         embed = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
             embedding_init=_INIT, name="embed",
@@ -462,13 +505,20 @@ class Decoder(nn.Module):
         # chunk's new keys and values come out, [layers, batch, kv_heads, seq, head_dim]: a step
         # never copies the cache through the scan; they go in below with one in-place update.
         if self.scan_layers:
-            layers = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                length=c.num_layers,
-            )(*block_args, **block_kw, name="layers")
+            def scan(length: int, name: str, **kw):
+                return nn.scan(
+                    block,
+                    variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                    length=length,
+                )(*block_args, **block_kw, **kw, name=name)
+
+            if self.frozen_layers:  # no gradient below: the backward pass stops at their output
+                x, _ = scan(self.frozen_layers, "frozen_layers")(x, None, cos, sin, positions, None, None)
+                x = jax.lax.stop_gradient(x)
+            layers = scan(c.num_layers - self.frozen_layers, "layers", lora_targets=self.lora_targets,
+                          lora_scale=self.lora_scale)
             x, new_kv = layers(x, layer_cache, cos, sin, positions, cache_positions, index)
         else:  # each layer writes its keys into the stacked cache in place, then attends
             for i in range(c.num_layers):
@@ -560,6 +610,7 @@ def forward(
     return_hidden: bool = False,
     activation_sharding: jax.sharding.Sharding | None = None,
     kernels: AttentionKernels = AttentionKernels(),
+    lora_scale: float = 0.0,
 ):
     """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
 
@@ -572,9 +623,10 @@ def forward(
     attention implementations (`models.kernels`; the XLA paths by default). `params` may have
     their layers stacked (`layers`, as initialised and loaded) or split by `unstack_layers`.
     Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
-    [batch, seq, hidden] (input of `value_head`) when `return_hidden`.
+    [batch, seq, hidden] (input of `value_head`) when `return_hidden`. Without a cache, `params`
+    may be split for tuned training (`models/tuning.combine`, adapters scaled by `lora_scale`).
     """
-    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, kernels, True, config).apply(
+    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, kernels, True, config, lora_scale).apply(
         {"params": _backbone(params)}, tokens, positions, cache
     )
     return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
@@ -590,10 +642,12 @@ def hidden_states(
     remat: str | bool = "none",
     activation_sharding: jax.sharding.Sharding | None = None,
     kernels: AttentionKernels = AttentionKernels(),
+    lora_scale: float = 0.0,
 ) -> jax.Array:
     """The final (normed) hidden states [batch, seq, hidden] of `forward` without a cache, in the
-    compute dtype, without projecting to the vocabulary (see `output_head`)."""
-    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, kernels, False, config).apply(
+    compute dtype, without projecting to the vocabulary (see `output_head`). `params` may be split
+    for tuned training (`models/tuning.combine`); `lora_scale` scales their adapters."""
+    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, kernels, False, config, lora_scale).apply(
         {"params": _backbone(params)}, tokens, positions, None
     )
     return hidden
@@ -608,9 +662,17 @@ def _backbone(params: Params) -> Params:
     return {name: p for name, p in params.items() if name != "value_head"}
 
 
-def _decoder(params, dtype, remat, activation_sharding, kernels, project, config) -> Decoder:
+def _decoder(params, dtype, remat, activation_sharding, kernels, project, config, lora_scale=0.0) -> Decoder:
+    """The module for `params`: stacked or per-layer, and split for tuned training (frozen bottom
+    layers, LoRA adapters; `models/tuning.py`) as the tree shows."""
+    frozen = jax.tree.leaves(params["frozen_layers"])[0].shape[0] if "frozen_layers" in params else 0
+    layers = params.get("layers", {})
+    targets = tuple(name.removesuffix("_lora") for module in ("attn", "mlp") for name in layers.get(module, {})
+                    if name.endswith("_lora"))
+    if targets and not lora_scale:
+        raise ValueError(f"the parameters carry LoRA adapters ({', '.join(targets)}) but lora_scale is 0")
     return Decoder(
         config, dtype=dtype or params["embed"]["embedding"].dtype, remat=remat,
         activation_sharding=activation_sharding, scan_layers="layers" in params, project=project,
-        kernels=kernels,
+        kernels=kernels, frozen_layers=frozen, lora_targets=targets, lora_scale=lora_scale,
     )

@@ -32,6 +32,15 @@ DEFAULT_RULES: Rules = (
     (r"attn/o_proj/kernel$", P(None, "tensor", None, "fsdp")),  # [L, heads, head_dim, hidden]
     (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, hidden, mlp]
     (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, mlp, hidden]
+    # LoRA adapters (`models/tuning.py`), split like the kernel they adapt: a [L, *in, rank], b [L, rank, *out]
+    (r"attn/(q|k|v)_lora/a$", P(None, "fsdp", None)),
+    (r"attn/(q|k|v)_lora/b$", P(None, None, "tensor", None)),
+    (r"attn/o_lora/a$", P(None, "tensor", None, None)),
+    (r"attn/o_lora/b$", P(None, None, "fsdp")),
+    (r"mlp/(gate|up)_lora/a$", P(None, "fsdp", None)),
+    (r"mlp/(gate|up)_lora/b$", P(None, None, "tensor")),
+    (r"mlp/down_lora/a$", P(None, "tensor", None)),
+    (r"mlp/down_lora/b$", P(None, None, "fsdp")),
     (r".*", P()),  # norm scales, o_proj bias, value head: small, replicated
 )
 

@@ -74,6 +74,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
                          f"group_size ({evol.group_size}) >= 1")
     with contextlib.ExitStack() as stack:
+        setup.require_untuned(config)
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
         demos_path = workdir / "demonstrations.jsonl"

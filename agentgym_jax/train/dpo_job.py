@@ -127,6 +127,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     if not pairs:
         raise ConfigError(f"no preference pairs in {paths}: no task has both a success and a failure")
     with contextlib.ExitStack() as stack:
+        setup.require_untuned(config)
         job = stack.enter_context(setup.open_job(config, servers=False))
         workdir, mesh = job.workdir, job.mesh
         init = pathlib.Path(config.init) if config.init else None

@@ -195,6 +195,7 @@ def update_config(config: ml_collections.ConfigDict, model: ModelConfig, tempera
             remat=config.model.remat,
             logprob_chunk=config.model.logprob_chunk,
             kernels=setup.attention_kernels(config),
+            lora_scale=setup.tuning_of(config).lora_scale,
         )
     except ValueError as e:
         raise ConfigError(f"config.algo: {e}") from e
@@ -212,6 +213,9 @@ def critic_states(
     """
     if not update.separate_critic:
         return []
+    if not setup.tuning_of(config).full:
+        raise ConfigError("algo.critic=separate copies the whole policy: it does not combine with model.lora_rank or "
+                          "model.trainable_layers (use algo.critic=shared)")
     dtype = jnp.dtype(config.model.param_dtype)
     model = update.critic_model or update.model
     if config.algo.critic_dir:

@@ -59,8 +59,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         updates = update_config(config, model, temperature=rl_temperature(config))
         rng = jax.random.PRNGKey(config.seed)
         params = setup.initial_params(config, model, mesh, rng, value_head=updates.shared_value_head)
+        params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
         rl_tx = make_optimizer(rl_optim_config(config, updates.updates_per_step))  # schedule in optimizer updates
-        state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2))
+        state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
         critic = critic_states(config, updates, mesh, params)  # [] or [PPO's separate critic]
@@ -70,7 +71,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
         ))
         train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, setup.rollout_config(config)))
-        sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
+        def sampler_params(state: TrainState):  # the merged policy on this process's devices
+            return setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
 
         if resuming:
             (state, ref_params, *critic), meta = ckpt.restore(
@@ -87,7 +89,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 successes = [d for d in demos if d.success]
                 sft_updates = sft_num_updates(len(successes), config.sft.batch_size, config.sft.epochs)
                 sft_tx = make_optimizer(optim_config(config.optim, sft_updates, lr=config.sft.lr))
-                sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3))
+                sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3), frozen=state.frozen)
                 sft_state, history = sft_train(
                     sft_state, successes, updates,
                     batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
@@ -99,7 +101,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             ref_params = reference_params(state.params, updates.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
-            meta["eval_before"] = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
+            meta["eval_before"] = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed)
             ckpt.save(0, (state, ref_params, *critic), meta, force=True)
 
         trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
@@ -111,7 +113,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             tasks, first = process_share(task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
             t0 = time.time()
             trajectories = train_engine.run(
-                sampler_params(state.params), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
+                sampler_params(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
                 policy_version=step, group_offset=first,
             )
             rollout_s = time.time() - t0
@@ -119,7 +121,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
                 trajectories, step_fns.padded_rows, mesh, batch_filter(config))  # empty rows: rows divide over the mesh
             t1 = time.time()
-            rl_batch, prep_metrics = step_fns.prepare(state.params, ref_params, batch, *(c.params for c in critic))
+            rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
+                                                     *(c.params for c in critic))
             state, update_metrics = step_fns.rl_update(state, rl_batch)
             if critic:
                 critic[0], critic_metrics = step_fns.critic_update(critic[0], rl_batch)
@@ -139,7 +142,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             ckpt.save(step + 1, (state, ref_params, *critic), meta, force=step + 1 == config.train.steps)
         logger.close()
 
-        after = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
+        after = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed)
+        if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
+            setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
     if not is_writer():
         return {"success_before": meta["eval_before"]["success_rate"], "success_after": after["success_rate"]}
     return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)

@@ -117,8 +117,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
                                     config.train.steps, config.seed)
         params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
         tx = make_optimizer(optim_config(config.optim, config.train.steps))
-        state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
+        state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
         step_fns = make_step_fns(update_config(config, model), mesh, shardings)
@@ -139,6 +140,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             logger.log(step + 1, {**jax.device_get(metrics), **{f"rows/{e}": counts[e] for e in rows}})
             ckpt.save(step + 1, (state, {}), {"step": step + 1}, force=step + 1 == config.train.steps)
         logger.close()
+        if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
+            setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
 
         result = {}
         if config.eval.num_tasks:
@@ -147,7 +150,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 setup.rollout_config(config, temperature=config.eval.temperature, group_size=1),
             ))
             test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
-            result = evaluate(engine, setup.sampler_params(config, job, state.params), test_ids, config.eval.horizon, config.seed)
+            result = evaluate(engine, setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen)), test_ids, config.eval.horizon, config.seed)
             if is_writer():
                 (workdir / "eval.json").write_text(json.dumps(result, indent=2))
                 print(f"summary: env={job.info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")

@@ -3,6 +3,9 @@
 Everything a jitted update reads or writes is in `TrainState`: parameters, optimizer state, the
 step counter, the RNG key and a count of skipped (non-finite) updates. The frozen reference
 policy is a separate params pytree passed alongside, never updated (`reference_params`).
+With tuned training (`models/tuning.py`: LoRA, top layers only) `params` are the trainable part
+and `frozen` the rest, in the compute dtype and outside the optimizer; forward passes run on
+`policy_params` (the two merged as dicts), and checkpoints leave `frozen` out.
 
 Precision: the parameters are the master weights (float32 in the large-model configs; bfloat16
 storage also trains), the optimizer state keeps the dtypes `tx.init` gave it, gradients arrive in
@@ -19,6 +22,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from agentgym_jax.models import tuning
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -28,9 +33,10 @@ class TrainState:
     rng: jax.Array  # PRNG key data, uint32[2]
     skipped_updates: jax.Array  # [] int32; updates dropped because loss or grads were not finite
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    frozen: Any = flax.struct.field(default_factory=dict)  # parameters that do not train ({}: none)
 
     @classmethod
-    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, frozen: Any = None) -> TrainState:
         return cls(
             params=params,
             opt_state=tx.init(params),
@@ -38,7 +44,17 @@ class TrainState:
             rng=rng,
             skipped_updates=jnp.zeros((), jnp.int32),
             tx=tx,
+            frozen=frozen or {},
         )
+
+    @property
+    def policy_params(self) -> Any:
+        """What forward passes run on: `params`, with `frozen` merged in when tuned."""
+        return self.policy_of(self.params)
+
+    def policy_of(self, params: Any) -> Any:
+        """The whole policy of trainable `params` like this state's (e.g. the reference's)."""
+        return tuning.combine(params, self.frozen) if self.frozen else params
 
     def apply_gradients(self, grads: Any, loss: jax.Array | None = None, empty: jax.Array | bool = False) -> TrainState:
         """One optimizer update, or none when `grads` (or `loss`) holds a non-finite value (counted

@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from agentgym_jax.models import tuning
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, value_head
 from agentgym_jax.models.kernels import AttentionKernels
@@ -101,6 +102,7 @@ class UpdateConfig:
     remat: str | bool = "none"  # what each layer keeps for the backward: a key of decoder.REMAT_POLICIES
     logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
     kernels: AttentionKernels = AttentionKernels()  # attention implementations (`models.kernels`)
+    lora_scale: float = 0.0  # LoRA adapters' alpha / rank (`models/tuning.py`); 0: no adapters
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
 
@@ -229,7 +231,7 @@ def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateC
         spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
     return hidden_states(params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
-                         activation_sharding=activations, kernels=config.kernels)
+                         activation_sharding=activations, kernels=config.kernels, lora_scale=config.lora_scale)
 
 
 def chunked_logprobs(
@@ -498,7 +500,8 @@ def accumulated_update(
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
     (grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
-    trains no token is not run).
+    trains no token is not run). Gradients are of `state.params` only (tuned: `state.frozen` is
+    merged in for the forward pass and gets none).
 
     The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
@@ -508,9 +511,11 @@ def accumulated_update(
         batch = jax.tree.map(lambda x: x[order], batch)
     micro = _split(batch, config.num_microbatches)
     weights = _share(micro.loss_mask, config.agg_mode)
+    def trainable_loss(params, micro_batch):
+        return loss_fn(tuning.combine(params, state.frozen) if state.frozen else params, micro_batch, config=config)
+
     grad_fn = _at_length(
-        jax.value_and_grad(functools.partial(loss_fn, config=config), has_aux=True),
-        length_buckets(batch.tokens.shape[1], config.length_buckets),
+        jax.value_and_grad(trainable_loss, has_aux=True), length_buckets(batch.tokens.shape[1], config.length_buckets),
     )
 
     def micro_step(grads, inputs):
@@ -590,6 +595,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_
         step=replicated,
         rng=replicated,
         skipped_updates=replicated,
+        frozen=param_shardings(state.frozen, mesh, rules),
     )
 
 
@@ -623,7 +629,8 @@ def make_step_fns(
     params, batch rows over ("data", "fsdp") (the row count must divide over them), metrics
     replicated. Outputs come back in the input shardings, so step after step compiles nothing.
     A separate critic's state is placed as `critic_shardings` (None: as its inputs come) and is the
-    fourth argument of `prepare`.
+    fourth argument of `prepare`. `prepare` takes whole policies (`TrainState.policy_params`; a
+    tuned reference: `tuning.combine(ref_params, state.frozen)`).
     Each call makes new jitted functions, i.e. new compilations: call it once per run.
     """
     params = state = rows = replicated = critic = None
@@ -632,7 +639,7 @@ def make_step_fns(
             raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
         critic = critic_shardings
         config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
-        params, state = state_shardings.params, state_shardings
+        params, state = state_shardings.policy_params, state_shardings
         rows, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
 
     def jit(fn: Callable, ins: tuple, outs: tuple, **kw) -> Callable:
