@@ -5,7 +5,7 @@ by side with the bare parse of the same file and with reading every record whole
     python bench/view_index.py --episodes 10000 --turns 8
 
 A synthetic run (`write_synthetic_run`: `--turns` policy turns of `--turn_tokens` ids with an
-environment answer of as many after each, a 100-id prompt, statuses, rewards, steps and task ids
+environment answer of as many after each, a prompt of 100 ids, statuses, rewards, steps and task ids
 cycling) is written to a temporary file, then:
 - `index`: `RunIndex` over the file (json.loads of each line, the record checked, its failure
   patterns found, a row of numpy columns kept), best of `--rounds`;
@@ -38,19 +38,18 @@ from agentgym_jax.view.index import Filter, RunIndex  # noqa: E402
 
 STATUSES = [s.value for s in EpisodeStatus]
 END_OF_TURN = 2
-PROMPT_TOKENS = 100
 
 
-def synthetic_record(i: int, *, turns: int, turn_tokens: int, steps: int, episodes: int) -> dict:
+def synthetic_record(i: int, *, turns: int, turn_tokens: int, prompt_tokens: int, steps: int, episodes: int) -> dict:
     """Episode `i` of a synthetic run: env `("room", "maze")[i % 2]`, task `i % 1000`, step
     `i * steps // episodes`, status `STATUSES[i % 7]`, reward `(i % 5) / 4`, `i % 4` invalid
     actions (at most `turns`); every policy turn ends with END_OF_TURN except when `i % 6 == 1`
     (the last turn is cut), and when `i % 3 == 0` every turn samples the same ids."""
-    ids = [1 + (i + k) % 500 for k in range(PROMPT_TOKENS)]
+    ids = [1 + (i + k) % 500 for k in range(prompt_tokens)]
     spans = []
     for t in range(turns):
         start = len(ids)
-        body = [3 + (i * (t + 1) * (i % 3 != 0) + k) % 400 for k in range(turn_tokens - 1)]
+        body = [3 + (i + k + t * (i % 3 != 0)) % 400 for k in range(turn_tokens - 1)]
         last = 7 if (i % 6 == 1 and t == turns - 1) else END_OF_TURN
         ids += body + [last]
         spans.append([start, len(ids)])
@@ -68,10 +67,13 @@ def synthetic_record(i: int, *, turns: int, turn_tokens: int, steps: int, episod
     )
 
 
-def write_synthetic_run(path: pathlib.Path, episodes: int, *, turns: int = 4, turn_tokens: int = 20, steps: int = 100) -> None:
+def write_synthetic_run(path: pathlib.Path, episodes: int, *, turns: int = 4, turn_tokens: int = 20,
+                        prompt_tokens: int = 100, steps: int = 100) -> None:
+    """`episodes` records of `synthetic_record` in a JSONL file."""
+    shape = dict(turns=turns, turn_tokens=turn_tokens, prompt_tokens=prompt_tokens, steps=steps, episodes=episodes)
     with open(path, "w", encoding="utf-8") as f:
         for i in range(episodes):
-            f.write(json.dumps(synthetic_record(i, turns=turns, turn_tokens=turn_tokens, steps=steps, episodes=episodes)) + "\n")
+            f.write(json.dumps(synthetic_record(i, **shape)) + "\n")
 
 
 def peak_bytes(fn) -> int:

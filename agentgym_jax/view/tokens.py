@@ -3,8 +3,8 @@
 Trajectories store token ids (DESIGN rule 3); the viewer shows each id as the text it stands
 for, beside its loss mask and log-prob. A run's tokenizer is where its job put it or read it
 (`find_tokenizer`). Byte-level tokenizers split a character of several UTF-8 bytes over several
-ids; such ids are decoded together and the character shown on the last of them (the others
-show nothing), so the text reads as the policy wrote it.
+ids; the character shows on the last of them (the others show nothing), so the pieces join to
+exactly the text the whole sequence decodes to.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
-_MAX_CHAR_BYTES = 4  # UTF-8
 
 
 def _has_tokenizer(folder: pathlib.Path) -> bool:
@@ -52,11 +51,10 @@ def find_tokenizer(run: pathlib.Path) -> tuple[pathlib.Path | None, str]:
 
 
 class TokenText:
-    """A tokenizer's pieces of text per id, cached per id, and its end-of-turn ids."""
+    """A tokenizer's text for each id of a sequence, and its end-of-turn ids."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
-        self._pieces: dict[int, str] = {}
         try:  # the chat framing knows which id ends a policy turn
             self.end_of_turn_ids: frozenset[int] | None = frozenset(ChatFraming(tokenizer).end_of_turn_ids)
         except FramingError:
@@ -69,22 +67,30 @@ class TokenText:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def piece(self, token_id: int) -> str:
-        if token_id not in self._pieces:
-            self._pieces[token_id] = self._decode([token_id])
-        return self._pieces[token_id]
-
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        """One string per id; their concatenation is the decoded text."""
+        """One string per id, joining to the decoded text.
+
+        Streaming detokenization: each id's text is what decoding up to it adds to decoding up to
+        the previous one, both decoded from the start of the piece before (context that keeps a
+        word's leading space). An id that leaves a character unfinished (the text ends in a
+        replacement character) adds nothing until the id that finishes it; bytes that no id
+        finishes (a turn cut inside a character) show as replacement characters on the last of
+        them, not on the next id.
+        """
+        ids = [int(i) for i in ids]
         out: list[str] = []
-        group: list[int] = []
-        for token_id in ids:
-            group.append(int(token_id))
-            text = self.piece(group[0]) if len(group) == 1 else self._decode(group)
-            if text.endswith(_REPLACEMENT) and len(group) < _MAX_CHAR_BYTES:
-                continue  # part of a character: wait for its other bytes
-            out += [""] * (len(group) - 1) + [text]
-            group = []
-        if group:  # a character cut off at the end stays a replacement character
-            out += [""] * (len(group) - 1) + [self._decode(group)]
+        prefix, read = 0, 0  # decoded context starts at `prefix`; `read` is where its emitted part ends
+        for end in range(1, len(ids) + 1):
+            before = self._decode(ids[prefix:read])
+            after = self._decode(ids[prefix:end])
+            if len(after) > len(before) and not after.endswith(_REPLACEMENT):
+                piece, pending = after[len(before):], end - read - 1
+                if pending:  # replacement characters in front are the waiting ids' unfinished bytes
+                    head = len(piece) - len(piece.lstrip(_REPLACEMENT))
+                    out += [""] * (pending - 1) + [piece[:head]]
+                    piece = piece[head:]
+                out.append(piece)
+                prefix, read = read, end
+        if read < len(ids):  # the text ends inside a character: its replacement characters
+            out += [""] * (len(ids) - read - 1) + [self._decode(ids[prefix:])[len(self._decode(ids[prefix:read])):]]
         return out

@@ -75,15 +75,20 @@ function fillEnvs() {
   fillSelect($("f-env"), currentRun().envs.map((e) => [e, e]), "any");
 }
 
+let listRequest = 0; // answers to an older request than the latest are dropped
+
 async function loadList() {
   const params = filterParams();
+  const mine = ++listRequest;
   showError(null);
   try {
     const [page, counts] = await Promise.all([
       api("/api/episodes", { ...params, offset, limit: PAGE }),
       api("/api/patterns", params),
     ]);
+    if (mine !== listRequest) return;
     renderList(page);
+    $("episodes").dataset.query = new URLSearchParams({ ...params, offset }).toString(); // what the list shows
     renderPatterns(counts);
   } catch (e) {
     showError(e);
@@ -215,9 +220,11 @@ function renderEpisode(pane, ep, runName) {
 }
 
 async function openEpisode(pane, run, id, row) {
+  const mine = pane.request = (pane.request || 0) + 1;
   showError(null);
   try {
     const ep = await api("/api/episode", { run, id });
+    if (mine !== pane.request) return; // another episode was asked for meanwhile
     renderEpisode(pane, ep, info.runs[run].name);
     if (row) {
       for (const r of row.parentNode.children) r.classList.toggle("open", r === row);
@@ -237,9 +244,10 @@ async function loadCompare(ep) {
   const run = Number($("compare-run").value);
   $("compare-task").textContent = `${ep.env} task ${ep.task_id}`;
   const list = $("compare-list");
-  list.innerHTML = "";
   try {
     const found = (await api("/api/task", { env: ep.env, task: ep.task_id })).runs[run].episodes;
+    if (compareWith !== ep || run !== Number($("compare-run").value)) return; // asked again meanwhile
+    list.innerHTML = "";
     if (!found.length) list.append(node("span", { class: "hint" }, " no episode of this task in that run"));
     for (const e of found.slice(0, MAX_COMPARE)) {
       list.append(node("button", { type: "button", "data-id": e.id, onclick: () => openEpisode($("pane-b-episode"), run, e.id) },
