@@ -337,6 +337,7 @@ def test_the_api_pages_filters_and_refuses_bad_requests(viewer):
         ("/api/episode?run=1", 400, "missing parameter 'id'"),
         ("/api/episode?run=1&id=12", 404, "has 12 episodes"),
         ("/api/task?task=4", 400, "missing parameter 'env'"),
+        ("/api/episodes?run=2&stauts=success", 400, "unknown parameter 'stauts' for /api/episodes; valid: run, env, status"),
         ("/api/nothing", 404, "unknown path"),
     ):
         status, body = get(viewer + path)
@@ -345,6 +346,29 @@ def test_the_api_pages_filters_and_refuses_bad_requests(viewer):
     assert status == 405 and "use GET" in body["error"]
     status, page = get(f"{viewer}/api/episodes?run=0")  # still serving
     assert status == 200 and page["total"] == 6
+
+
+def test_the_command_line_refuses_what_it_cannot_serve(viewer, runs, tmp_path):
+    from agentgym_jax.view.__main__ import main
+
+    port = viewer.rsplit(":", 1)[1]
+    for args, says in (
+        ([str(tmp_path / "absent")], "is neither a run folder nor a JSONL file"),
+        ([str(tmp_path)], "holds no trajectories.jsonl"),
+        ([str(runs["oracle"]), str(runs["oracle"])], "a run is given twice"),
+        ([str(runs["oracle"]), f"--tokenizer={tmp_path}"], "holds no tokenizer.json"),
+        ([str(runs["oracle"]), f"--port={port}"], f"cannot serve on 127.0.0.1:{port}"),  # the fixture's port
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert isinstance(exit_.value.code, str) and exit_.value.code.startswith("error: ") and says in exit_.value.code, args
+
+
+def test_non_finite_numbers_reach_the_browser_as_null():
+    from agentgym_jax.view.server import json_response
+
+    body = {"logprob": [0.0, float("-inf"), -0.5], "reward": float("nan"), "ok": (1, "x")}
+    assert json.loads(json_response(body).text) == {"logprob": [0.0, None, -0.5], "reward": None, "ok": [1, "x"]}
 
 
 # ---- the page, in a real headless Chromium --------------------------------------------------

@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         runs = open_runs(args.runs, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:  # TokenizerError is a ValueError
         sys.exit(f"error: {e}")
-    asyncio.run(serve(runs, args.port))
+    try:
+        asyncio.run(serve(runs, args.port))
+    except OSError as e:  # the port is taken
+        sys.exit(f"error: cannot serve on {HOST}:{args.port}: {e.strerror or e}; pick another --port (0: a free one)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.view.patterns import PATTERNS, flag_bits, patterns
 
 STATUSES = tuple(s.value for s in EpisodeStatus)
+FILTER_KEYS = ("env", "status", "pattern", "step", "task", "reward_min", "reward_max")  # URL parameters of `Filter`
 # column -> array typecode (numpy's dtype follows from it)
 COLUMNS = {
     "file": "h", "line": "q", "offset": "q", "length": "q", "task_id": "q", "sample_idx": "q", "attempt": "q",
@@ -57,19 +58,19 @@ def run_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def _empty_columns() -> dict[str, array.array]:
+    return {name: array.array(code) for name, code in COLUMNS.items()}
+
+
 @dataclasses.dataclass
 class _FileState:
-    """How far one file has been read, and what its lines gave."""
+    """How far one file has been read, and the rows its lines gave."""
 
     path: pathlib.Path
-    inode: int = -1
+    inode: int = -1  # -1: not read yet (or absent)
     read_to: int = 0  # bytes indexed (complete lines)
     lines: int = 0
-    columns: dict[str, array.array] = dataclasses.field(default_factory=lambda: {k: array.array(t) for k, t in COLUMNS.items()})
-
-    def reset(self, inode: int) -> None:
-        self.inode, self.read_to, self.lines = inode, 0, 0
-        self.columns = {k: array.array(t) for k, t in COLUMNS.items()}
+    columns: dict[str, array.array] = dataclasses.field(default_factory=_empty_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +157,10 @@ class RunIndex:
                 stat = os.stat(state.path)
             except FileNotFoundError:
                 stat = None
-            if stat is None or stat.st_ino != state.inode or stat.st_size < state.read_to:
-                changed |= state.read_to > 0 or state.inode != -1
-                state.reset(-1 if stat is None else stat.st_ino)
+            inode = -1 if stat is None else stat.st_ino
+            if inode != state.inode or (stat is not None and stat.st_size < state.read_to):  # replaced or cut
+                changed |= len(state.columns["offset"]) > 0
+                self._files[number] = state = _FileState(state.path, inode)
             if stat is not None and stat.st_size > state.read_to:
                 changed |= self._read(number, state)
         if changed or not self.columns:

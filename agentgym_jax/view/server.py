@@ -15,14 +15,17 @@ A bad request (a missing or unreadable parameter, a run or episode that does not
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import pathlib
+from typing import Any
 
 import numpy as np
 from aiohttp import web
 
 from agentgym_jax.view.episode import episode_view
-from agentgym_jax.view.index import STATUSES, Filter, FilterError, RunIndex
+from agentgym_jax.view.index import FILTER_KEYS, STATUSES, Filter, FilterError, RunIndex
 from agentgym_jax.view.patterns import PATTERNS
 from agentgym_jax.view.tokens import TokenText
 
@@ -48,8 +51,27 @@ class Run:
     tokenizer: str  # where the tokenizer came from, or why there is none
 
 
+def _finite(body: Any) -> Any:
+    if isinstance(body, float):
+        return body if math.isfinite(body) else None
+    if isinstance(body, dict):
+        return {k: _finite(v) for k, v in body.items()}
+    if isinstance(body, (list, tuple)):
+        return [_finite(v) for v in body]
+    return body
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    """JSON a browser can parse: NaN and infinities (a log-prob of -inf) are sent as null."""
+    try:
+        text = json.dumps(body, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(body), allow_nan=False)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return json_response({"error": message}, status=status)
 
 
 @web.middleware
@@ -89,6 +111,13 @@ def _int(request: web.Request, name: str, default: int | None = None, low: int =
     return value
 
 
+def _known(request: web.Request, *keys: str) -> None:
+    """Refuses a parameter the endpoint does not read (a typo would otherwise filter nothing)."""
+    unknown = sorted(set(request.query) - set(keys))
+    if unknown:
+        raise RequestError(f"unknown parameter {', '.join(map(repr, unknown))} for {request.path}; valid: {', '.join(keys)}")
+
+
 def make_app(runs: list[Run]) -> web.Application:
     """The viewer over `runs` (each indexed already)."""
     if not runs:
@@ -120,34 +149,38 @@ def make_app(runs: list[Run]) -> web.Application:
                 truncation_checked=index.end_of_turn_ids is not None,
                 bad_lines=index.num_bad_lines, bad_line_examples=index.bad_lines,
             ))
-        return web.json_response(dict(runs=out, statuses=list(STATUSES), patterns=list(PATTERNS)))
+        return json_response(dict(runs=out, statuses=list(STATUSES), patterns=list(PATTERNS)))
 
     async def episodes(request: web.Request) -> web.Response:
+        _known(request, "run", *FILTER_KEYS, "offset", "limit")
         run, rows = filtered(request)
         offset = _int(request, "offset", default=0)
         limit = _int(request, "limit", default=50, low=1, high=MAX_PAGE)
-        return web.json_response(dict(
+        return json_response(dict(
             total=len(rows), offset=offset, limit=limit, episodes=run.index.summaries(rows[offset:offset + limit]),
         ))
 
     async def step_patterns(request: web.Request) -> web.Response:
+        _known(request, "run", *FILTER_KEYS)
         run, rows = filtered(request)
-        return web.json_response(run.index.step_counts(rows))
+        return json_response(run.index.step_counts(rows))
 
     async def episode(request: web.Request) -> web.Response:
+        _known(request, "run", "id")
         run = run_of(request)
         row = _int(request, "id")
         if row >= len(run.index):
             raise RequestError(f"id={row}: run {run.name!r} has {len(run.index)} episodes (0..{len(run.index) - 1})", 404)
         view = episode_view(run.index.read(row), run.text)
-        return web.json_response(dict(run=runs.index(run), id=row, location=run.index.location(row), **view))
+        return json_response(dict(run=runs.index(run), id=row, location=run.index.location(row), **view))
 
     async def task(request: web.Request) -> web.Response:
+        _known(request, "env", "task")
         env = request.query.get("env", "").strip()
         if not env:
             raise RequestError("missing parameter 'env'")
         task_id = _int(request, "task")
-        return web.json_response(dict(env=env, task_id=task_id, runs=[
+        return json_response(dict(env=env, task_id=task_id, runs=[
             dict(run=number, name=run.name, episodes=run.index.summaries(run.index.task_rows(env, task_id)))
             for number, run in enumerate(runs)
         ]))

@@ -272,7 +272,8 @@ document.addEventListener("mouseover", (event) => {
   const f = pane.state.flat;
   const trained = f.mask[i] ? "1 (trained)" : "0 (not trained)";
   const lp = f.logprob[i];
-  const prob = f.mask[i] ? `logprob ${lp.toFixed(4)} (p ${Math.exp(lp).toFixed(4)})` : "logprob - (not sampled by the policy)";
+  let prob = "logprob - (not sampled by the policy)";
+  if (f.mask[i]) prob = lp === null ? "logprob not finite" : `logprob ${lp.toFixed(4)} (p ${Math.exp(lp).toFixed(4)})`;
   $("tokinfo").textContent = `token ${i}  id ${f.ids[i]}  ${JSON.stringify(f.text[i] ?? null)}  loss_mask ${trained}  ${prob}`;
 });
 
