@@ -158,7 +158,7 @@ def test_token_pieces_join_to_the_decoded_text(text):
     assert text.end_of_turn_ids == {text.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
 
-def test_each_run_finds_its_own_tokenizer(runs, tmp_path):
+def test_each_run_finds_its_own_tokenizer(runs, tmp_path, monkeypatch):
     assert find_tokenizer(runs["oracle"])[0] == runs["oracle"] / "tokenizer"  # an oracle eval builds one
     assert find_tokenizer(runs["model"])[0] == runs["model"].parent / "hf"  # run.json: policy hf:<folder>
     rl = tmp_path / "rl"
@@ -171,7 +171,19 @@ def test_each_run_finds_its_own_tokenizer(runs, tmp_path):
     (tmp_path / "gone").mkdir()
     (tmp_path / "gone" / "run.json").write_text(json.dumps({"policy": f"hf:{tmp_path / 'nowhere'}"}))
     folder, why = find_tokenizer(tmp_path / "gone")
-    assert folder is None and "has no tokenizer.json" in why
+    assert folder is None and "whose tokenizer.json is not on this machine" in why
+    # named models, looked up where `models/fetch.py` keeps them (nothing is fetched)
+    monkeypatch.setenv("AGENTGYM_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    shutil.copytree(runs["oracle"] / "tokenizer", tmp_path / "models" / "smollm2-135m-instruct")
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc123"
+    shutil.copytree(runs["oracle"] / "tokenizer", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    for policy, expected in (("pretrained:smollm2-135m-instruct", tmp_path / "models" / "smollm2-135m-instruct"),
+                             ("hf:Org/Tiny", snapshot), ("hf:Org/Absent", None), ("pretrained:unbuilt", None)):
+        (tmp_path / "gone" / "run.json").write_text(json.dumps({"policy": policy}))
+        assert find_tokenizer(tmp_path / "gone")[0] == expected, policy
     assert find_tokenizer(runs["big"]) == (None, f"no tokenizer/ or run.json in {runs['big'].parent} or {runs['big'].parent.parent}")
 
 

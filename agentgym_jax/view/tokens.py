@@ -26,14 +26,32 @@ def _has_tokenizer(folder: pathlib.Path) -> bool:
     return (folder / TOKENIZER_FILE).is_file()
 
 
+def _policy_tokenizer(policy: str) -> pathlib.Path | None:
+    """The folder an eval's or collection's `policy` read its tokenizer from, without fetching
+    anything: `checkpoint:<dir>` -> `<dir>/tokenizer`; `hf:<dir>`, or `hf:<org>/<name>` in the
+    Hugging Face cache; `pretrained:<name>` as `models/fetch.py` keeps it once built."""
+    kind, _, where = policy.partition(":")
+    if kind == "checkpoint":
+        return pathlib.Path(where) / "tokenizer"
+    if kind == "hf" and pathlib.Path(where).exists():
+        return pathlib.Path(where)
+    from agentgym_jax.models import fetch  # only for these two: it imports the GGUF reader
+
+    if kind == "hf":
+        try:
+            return fetch.hf_snapshot(where)
+        except fetch.FetchError:
+            return None
+    return fetch.cache_root() / where if kind == "pretrained" else None
+
+
 def find_tokenizer(run: pathlib.Path) -> tuple[pathlib.Path | None, str]:
     """(the tokenizer folder of a run, how it was found) or (None, why not).
 
     Looked for in order: `<run>/tokenizer` (what `mode=rl`, `sft`, `dpo`, `agentevol` and an
     oracle `eval`/`collect` write), then the policy's own named in `<run>/run.json` (an eval's or
-    collection's `checkpoint:<dir>` -> `<dir>/tokenizer`, `hf:<dir>` -> `<dir>`), in the run
-    folder; for a JSONL file given alone, in its folder and that folder's parent (AgentEvol's
-    `iter_<i>/explored.jsonl`).
+    collection's `checkpoint:`, `hf:` or `pretrained:` policy), in the run folder; for a JSONL
+    file given alone, in its folder and that folder's parent (AgentEvol's `iter_<i>/explored.jsonl`).
     """
     folders = [run] if run.is_dir() else [run.parent, run.parent.parent]
     for folder in folders:
@@ -41,12 +59,11 @@ def find_tokenizer(run: pathlib.Path) -> tuple[pathlib.Path | None, str]:
             return folder / "tokenizer", f"{folder / 'tokenizer'}"
         spec = folder / "run.json"
         if spec.is_file():
-            kind, _, where = str(json.loads(spec.read_text()).get("policy", "")).partition(":")
-            candidate = {"checkpoint": pathlib.Path(where) / "tokenizer", "hf": pathlib.Path(where)}.get(kind)
+            policy = str(json.loads(spec.read_text()).get("policy", ""))
+            candidate = _policy_tokenizer(policy)
             if candidate is not None and _has_tokenizer(candidate):
                 return candidate, f"{candidate} (the policy of {spec})"
-            if candidate is not None:
-                return None, f"{spec} names the policy {kind}:{where}, which has no {TOKENIZER_FILE} here"
+            return None, f"{spec} names the policy {policy!r}, whose {TOKENIZER_FILE} is not on this machine"
     return None, f"no tokenizer/ or run.json in {' or '.join(map(str, folders))}"
 
 
