@@ -53,6 +53,7 @@ setuptools.setup(
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
     include_package_data=True,
+    package_data={"agentgym_jax.view": ["static/*"]},  # the trajectory viewer's page
     install_requires=CORE,
     extras_require={"envs": ENVS, "test": ENVS + TEST, "all": ENVS + TEST, "tpu": TPU, "cuda": CUDA},
 )
