@@ -65,6 +65,7 @@ def test_the_database_holds_the_package_tables(db_path):
     ("CREATE TEMP VIEW v AS SELECT 1", "changing the database schema"),
     ("ATTACH DATABASE '/tmp/other.sqlite' AS other", "ATTACH"),
     ("SELECT load_extension('/tmp/evil.so')", "the function load_extension"),
+    ("SELECT fts3_tokenizer('simple')", "the function fts3_tokenizer"),  # returns a memory address
     ("PRAGMA journal_mode = WAL", "PRAGMA journal_mode"),
     ("BEGIN", "TRANSACTION"),
 ])
@@ -89,7 +90,7 @@ def test_the_file_is_opened_read_only_beneath_the_authorizer(db_path):
 def test_time_limit_row_cap_and_errors(db_path):
     conn = database.ReadOnlyConnection(db_path, time_limit_s=0.2, max_rows=50)
     endless = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT COUNT(*) FROM r"
-    with pytest.raises(database.QueryError, match=r"0.2 s \(CPU\) time limit"):
+    with pytest.raises(database.QueryError, match=r"longer than the 0.2 s time limit"):
         conn.query(endless)
     columns, rows, more = conn.query("SELECT origin, dest FROM flights")
     assert columns == ["origin", "dest"] and len(rows) == 50 and more
