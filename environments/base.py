@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 
 _ACTION_MARKER = re.compile(r"action:", re.IGNORECASE)
+_NON_SPACE = re.compile(r"\S")
+_LINE_END = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")  # what `str.splitlines` splits at
 
 
 def parse_thought_action(text: str) -> str | None:
@@ -27,13 +29,11 @@ def parse_thought_action(text: str) -> str | None:
     last = None
     for last in _ACTION_MARKER.finditer(text):
         pass
-    if last is not None:
-        text = text[last.end():]
-    for line in text.splitlines():
-        line = " ".join(line.split())
-        if line:
-            return line
-    return None
+    start = _NON_SPACE.search(text, last.end() if last else 0)  # the first non-empty line starts here
+    if start is None:
+        return None
+    end = _LINE_END.search(text, start.start())
+    return " ".join(text[start.start():end.start() if end else len(text)].split())
 
 
 def every_kth_held_out(num_tasks: int, every: int) -> dict[str, list[int]]:
@@ -53,6 +53,10 @@ class Environment(abc.ABC):
     blocking: ClassVar[bool] = False  # True: the server runs this env's calls in a thread pool
     # The server's session cap when `--max_sessions` is not given (each session one live episode).
     max_sessions: ClassVar[int] = 1024
+    # The longest action (as `parse_action` returns it) this environment takes: a longer one is an
+    # invalid turn its engine never sees. Commands are short lines; None: only the server's cap
+    # on the whole reply applies (environments whose action is the reply, such as SQL).
+    max_parsed_action_chars: ClassVar[int | None] = 1000
     # Resident memory (MiB) of the engine process each session holds (a JVM, a browser); non-zero:
     # the default cap follows from the machine's memory instead (`sessions.default_max_sessions`).
     session_memory_mb: ClassVar[float] = 0.0

@@ -7,8 +7,9 @@ JSON body `{"error": ...}` (with `agentgym_errors`, refusals and environment fai
 server or touch another session.
 Cheap environments run inline on the event loop; `Environment.blocking = True` moves an
 environment's calls to a thread pool (one call per session at a time, per the session lock).
-A reply longer than `max_action_chars` is an invalid turn that never reaches the environment,
-so no parser or engine sees more than that from a client.
+A reply (the `/step` action text) longer than `max_action_chars` is an invalid turn that never
+reaches the environment, and so is a parsed action longer than the environment's
+`max_parsed_action_chars`: no parser sees more than the first, no engine more than the second.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ UNPARSED_ACTION = (
     "Invalid action: no action found in your reply. "
     "Answer in the format \"Thought: <your thoughts> Action: <one action>\"."
 )
-ACTION_TOO_LONG = (
+REPLY_TOO_LONG = (
     "Invalid action: your reply is {chars} characters long and this server reads at most {limit}. "
     "Answer briefly in the format \"Thought: <your thoughts> Action: <one action>\"."
 )
+ACTION_TOO_LONG = "Invalid action: your action is {chars} characters long and this environment takes at most {limit}."
 
 
 class EnvironmentFailure(Exception):
@@ -329,10 +331,13 @@ def _reset(env: Environment, data_idx: int) -> tuple[str, float, dict[str, Any]]
 def _step(env: Environment, text: str, max_action_chars: int) -> protocol.StepResult:
     """Model text or a parsed action -> one step; unreadable or over-long text is an ordinary invalid turn."""
     if len(text) > max_action_chars:
-        return env.result(ACTION_TOO_LONG.format(chars=len(text), limit=max_action_chars), 0.0, False, invalid=True)
+        return env.result(REPLY_TOO_LONG.format(chars=len(text), limit=max_action_chars), 0.0, False, invalid=True)
     action = env.parse_action(text)
     if action is None:
         return env.result(UNPARSED_ACTION, 0.0, False, invalid=True)
+    limit = env.max_parsed_action_chars
+    if limit is not None and len(action) > limit:
+        return env.result(ACTION_TOO_LONG.format(chars=len(action), limit=limit), 0.0, False, invalid=True)
     return env.step(action)
 
 
