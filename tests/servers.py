@@ -13,6 +13,8 @@
 `request_json(url, "POST", "/step", {"id": 0, "action": "move up"})` -> `(status, body)` is a
 small synchronous HTTP call for tests; 4xx/5xx answers come back as values, not exceptions.
 
+`server_pid(url)` is the process listening at the URL (to look at its engine children).
+
 `with health_latencies(url) as seconds:` polls `/health` from another process while the block
 runs; afterwards `seconds` holds each answer's latency (e.g. to show the server stayed responsive).
 
@@ -32,8 +34,11 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Iterator
+
+import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -105,6 +110,11 @@ def request_json(url: str, method: str, path: str, body: Any = None, *, data: by
         status, raw, kind = e.code, e.read(), e.headers.get_content_type()
     assert kind == "application/json", f"{method} {path} -> {status} {kind}: {raw[:200]!r}"
     return status, json.loads(raw)
+
+
+def server_pid(url: str) -> int:
+    port = urllib.parse.urlparse(url).port
+    return next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN")
 
 
 _HEALTH_PROBE = """
