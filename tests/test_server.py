@@ -8,6 +8,7 @@ random session ids, the action-length cap, and creates whose client went away.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -18,8 +19,11 @@ import sys
 import time
 import urllib.parse
 
+import aiohttp
 import pytest
 
+from agentgym_jax.envs.client import EnvClient, EnvServerError
+from agentgym_jax.envs.dialects import DialectClient
 from environments.registry import ENVIRONMENTS
 from tests.servers import REPO, request_json, start_server
 
@@ -197,6 +201,28 @@ def test_session_ids_are_random_63_bit_integers_another_client_cannot_guess(url)
         assert_steps_correctly(url, session)
         assert request_json(url, "GET", f"/observation?id={session}")[0] == 200
         assert request_json(url, "POST", "/close", {"id": session}) == (200, {"id": session, "closed": True})
+
+
+def test_large_ids_round_trip_through_our_client_and_an_agentgym_format_one(url):
+    """Ids past 2**53 (where a double loses integers) through `EnvClient`, and through the AgentGym
+    `maze` dialect's client on a server answering errors AgentGym's way (`--agentgym_errors`)."""
+
+    async def play(url: str, client_of) -> None:
+        async with aiohttp.ClientSession() as http:
+            client = client_of(url, http)
+            while (session := await client.create()) <= 2**53:  # p = 2**-10 each
+                await client.close(session)
+            await client.reset(session, 3)
+            result = await client.step(session, await client.oracle_action(session))
+            assert result.info["invalid_action"] is False and await client.observation(session) == result.observation
+            await client.close(session)
+            with pytest.raises(EnvServerError) as closed:
+                await client.step(session, "move up")
+            assert closed.value.status == 404 and str(session) in closed.value.message
+
+    asyncio.run(play(url, EnvClient))
+    with start_server("maze", agentgym_errors=True) as agentgym_url:
+        asyncio.run(play(agentgym_url, lambda u, http: DialectClient(u, http, dialect="maze")))
 
 
 def test_an_over_long_reply_is_an_invalid_turn_the_environment_never_sees(url):
