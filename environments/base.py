@@ -53,10 +53,6 @@ class Environment(abc.ABC):
     blocking: ClassVar[bool] = False  # True: the server runs this env's calls in a thread pool
     # The server's session cap when `--max_sessions` is not given (each session one live episode).
     max_sessions: ClassVar[int] = 1024
-    # The longest action (as `parse_action` returns it) this environment takes: a longer one is an
-    # invalid turn its engine never sees. Commands are short lines; None: only the server's cap
-    # on the whole reply applies (environments whose action is the reply, such as SQL).
-    max_parsed_action_chars: ClassVar[int | None] = 1000
     # Resident memory (MiB) of the engine process each session holds (a JVM, a browser); non-zero:
     # the default cap follows from the machine's memory instead (`sessions.default_max_sessions`).
     session_memory_mb: ClassVar[float] = 0.0

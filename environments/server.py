@@ -5,11 +5,11 @@ Requests and answers are described in `docs/protocol.md`. Every error is an HTTP
 JSON body `{"error": ...}` (with `agentgym_errors`, refusals and environment failures are HTTP
 200 `{"error": ...}`, as AgentGym's servers answer them); nothing a client sends can crash the
 server or touch another session.
-Cheap environments run inline on the event loop; `Environment.blocking = True` moves an
-environment's calls to a thread pool (one call per session at a time, per the session lock).
-A reply (the `/step` action text) longer than `max_action_chars` is an invalid turn that never
-reaches the environment, and so is a parsed action longer than the environment's
-`max_parsed_action_chars`: no parser sees more than the first, no engine more than the second.
+Cheap environments run inline on the event loop (one call at a time), except a step with a reply
+longer than `INLINE_REPLY_CHARS`, which runs in a thread while the environment's other calls
+wait; `Environment.blocking = True` moves all of an environment's calls to a thread pool (one
+call per session at a time, per the session lock). A reply (the `/step` action text) longer than
+`max_action_chars` is an invalid turn that never reaches the environment.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024  # far above any model turn; a 1 MB action i
 # Characters of one `/step` action (the model's whole reply) an environment is given: ~2000
 # tokens, far above a turn's `max_tokens_per_turn` (256 by default); longer is an invalid turn.
 DEFAULT_MAX_ACTION_CHARS = 8192
+# The longest reply an inline environment is stepped with on the event loop: Python string work
+# over a megabyte takes ~0.1 s, which /health and every other session would wait for.
+INLINE_REPLY_CHARS = 16_384
 ERROR_STATUS_HEADER = "X-Error-Status"  # with --agentgym_errors: the status a 200 error answer stands for
 # AgentGym's SearchQA and tool clients name the session `env_idx` and the task `id` at /reset
 TOOL_SESSION_FIELD, TOOL_TASK_FIELD = "env_idx", "id"
@@ -47,7 +50,6 @@ REPLY_TOO_LONG = (
     "Invalid action: your reply is {chars} characters long and this server reads at most {limit}. "
     "Answer briefly in the format \"Thought: <your thoughts> Action: <one action>\"."
 )
-ACTION_TOO_LONG = "Invalid action: your action is {chars} characters long and this environment takes at most {limit}."
 
 
 class EnvironmentFailure(Exception):
@@ -151,22 +153,27 @@ class EnvServer:
         self.executor = executor  # None: call the environment inline on the event loop
         self.max_action_chars = max_action_chars
         self.max_sessions_from = max_sessions_from  # what the cap follows from, named in /health
+        self.inline_turn = asyncio.Lock()  # an inline environment's code never runs twice at once
         self.task_info = env_cls.task_info()
         self.num_tasks = self.task_info.num_tasks
         self.tasks_body = json.dumps(self.task_info.to_json())
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self.executor is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _call(self, fn: Callable[..., T], *args: Any, long: bool = False) -> T:
+        """Runs an environment call: in the pool for blocking environments, else on the event loop,
+        or, when `long`, in a thread while the inline environment's other calls wait."""
+        loop = asyncio.get_running_loop()
+        if self.executor is not None:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        async with self.inline_turn:  # free unless a long call is in its thread: no wait then
+            return await loop.run_in_executor(None, fn, *args) if long else fn(*args)
 
-    async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any) -> T:
+    async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any, long: bool = False) -> T:
         """Runs an environment call; an exception marks the session broken and becomes a 500.
 
         A `ProtocolError` the environment raises is a refusal (its 4xx), not a failure.
         """
         try:
-            return await self._call(fn, *args)
+            return await self._call(fn, *args, long=long)
         except ProtocolError:
             raise  # the environment refused this request (a 4xx); the episode is intact
         except Exception as e:
@@ -244,7 +251,8 @@ class EnvServer:
             self._check_live(session, "/step")
             if session.done:
                 raise ProtocolError(f"episode of session {session.id} is done; POST /reset to start another", 409)
-            result = await self._call_env(session, _step, session.env, text, self.max_action_chars)
+            result = await self._call_env(session, _step, session.env, text, self.max_action_chars,
+                                          long=len(text) > INLINE_REPLY_CHARS)
             session.done = result.done
             if result.info.get("invalid_action"):
                 session.invalid_actions += 1
@@ -335,9 +343,6 @@ def _step(env: Environment, text: str, max_action_chars: int) -> protocol.StepRe
     action = env.parse_action(text)
     if action is None:
         return env.result(UNPARSED_ACTION, 0.0, False, invalid=True)
-    limit = env.max_parsed_action_chars
-    if limit is not None and len(action) > limit:
-        return env.result(ACTION_TOO_LONG.format(chars=len(action), limit=limit), 0.0, False, invalid=True)
     return env.step(action)
 
 

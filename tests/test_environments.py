@@ -161,7 +161,10 @@ def test_hostile_replies_are_quick_ordinary_turns_and_health_stays_fast(served):
                 assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task})[0] == 200
     slow = {key: round(s, 2) for key, s in answered_s.items() if s >= 1.0}
     assert not slow, f"{name}: replies answered in 1 s or more: {slow}"
-    assert health_s and max(health_s) < 0.1, f"{name}: /health took up to {max(health_s):.3f} s"
+    # /health within 100 ms; on a loaded machine scheduling alone can delay one answer, so the
+    # 90th percentile is held to that, and every answer to a second (a blocked server: minutes).
+    assert len(health_s) >= 10 and sorted(health_s)[int(0.9 * len(health_s))] < 0.1 and max(health_s) < 1.0, \
+        f"{name}: /health answers took {sorted(round(s, 3) for s in health_s)[-5:]} s at the slowest"
     request_json(url, "POST", "/close", {"id": session})
 
 

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 TIME_LIMIT_MS = 24 * 3600 * 1000  # MiniWoB's episode timer (below setTimeout's 2^31 ms ceiling)
 MAX_TEXT = 120  # characters of one element's text in the observation
 MAX_LINES = 150  # lines of the page in the observation; the rest is summarised as a count
+# Characters one `type` action may enter; longer is an invalid turn. Chromium types ~3 a
+# millisecond (100,000 took 31 s, past the driver's time-out, which broke the session).
+MAX_TYPE_CHARS = 1000
 
 INSTRUCTION = (
     "You are a web agent in a browser showing a small web page with a task (MiniWoB++). Each turn I "
@@ -100,9 +103,6 @@ class MiniWoBEnv(Environment):
     # One Chromium each (started by the first reset; idle ones are earlier sessions' browsers, so
     # they never outnumber the cap): the default cap follows from memory. EnvPool waits for a free one.
     session_memory_mb: ClassVar[float] = 400
-    # Chromium types ~3 characters a millisecond (100,000 took 31 s, past the driver's time-out,
-    # which broke the session): an action past the default 1000 characters is an invalid turn.
-    max_parsed_action_chars: ClassVar[int | None] = 1000
     # The shared suite's sweep: each session starts a browser (0.5-2 s of CPU, ~400 MB), so few
     # at a time; tests/test_miniwob.py covers every oracle task.
     oracle_sweep_episodes: ClassVar[int] = 16
@@ -200,9 +200,13 @@ class MiniWoBEnv(Environment):
             if m := _CLICK.match(action):
                 browser.call(self._element(m[1]).click)
             elif m := _TYPE.match(action):
+                text = parse_text_argument(m[2])
+                if len(text) > MAX_TYPE_CHARS:
+                    raise InvalidAction(f"the text to type is {len(text)} characters long; type at most "
+                                        f"{MAX_TYPE_CHARS} at a time")
                 element = self._element(m[1])
                 browser.call(element.clear)
-                browser.call(element.send_keys, parse_text_argument(m[2]))
+                browser.call(element.send_keys, text)
             elif m := _PRESS.match(action):
                 element = self._element(m[1])
                 *mods, key = m[2].split("+")

@@ -110,7 +110,6 @@ class SearchEnv(Environment):
 
     name: ClassVar[str] = "search"
     instruction: ClassVar[str] = INSTRUCTION
-    max_parsed_action_chars: ClassVar[int | None] = None  # the action is the whole reply; the server's cap bounds it
 
     def __init__(self) -> None:
         self.question: corpus.Question | None = None

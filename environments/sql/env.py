@@ -115,7 +115,6 @@ class SQLEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     blocking: ClassVar[bool] = True  # a statement may run up to the time limit
     oracle_sweep_concurrency: ClassVar[int] = 8
-    max_parsed_action_chars: ClassVar[int | None] = None  # a statement may be long; the server's reply cap bounds it
 
     def __init__(self) -> None:
         self.task: tasks.Task | None = None
