@@ -9,9 +9,11 @@ whole. "NA" becomes NULL. The file is built into `cache_dir()` in a folder named
 `ReadOnlyConnection` is how a statement runs (in a worker process of `workers.py`): the file
 opened with `mode=ro`, an authorizer that allows only reads (no writes, ATTACH, schema changes,
 transactions, writing pragmas, `load_extension`, or `fts3_tokenizer`, which hands out a memory
-address), extension loading off, a per-statement wall-clock time limit (a progress handler; the
-worker pool kills a worker whose statement sits in one long function call past it), and caps on
-the rows and bytes fetched. Refusals and failures raise `QueryError` with a message for the agent.
+address), extension loading off, a per-statement time limit (a progress handler counting the
+statement's thread CPU time, so a loaded machine does not cut honest queries; the worker pool
+adds a wall-clock limit that also stops a function call that runs for seconds between two checks),
+and caps on the rows and bytes fetched. Refusals and failures raise `QueryError` with a message
+for the agent.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 DB_VERSION = "v1"  # bump when the tables or the subsample change (task ids change)
 CACHE_ENV_VAR = "AGENTGYM_SQL_CACHE"
 FLIGHT_SUBSAMPLE = 10  # keep flights rows 0, 10, 20, ... of the package's 336,776
-STATEMENT_TIME_LIMIT_S = 2.0  # wall-clock seconds a statement may run (gold queries take < 0.05)
+STATEMENT_TIME_LIMIT_S = 2.0  # CPU seconds; a statement using more is interrupted (gold queries use < 0.05)
 MAX_ROWS = 1000  # rows fetched per statement; the rest are not read
 MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: no string or blob past 1 MB (randomblob bombs)
 MAX_RESULT_BYTES = 4_000_000  # text and blob bytes of the rows fetched per statement (1000 rows of 1 MB values: no)
@@ -134,10 +136,6 @@ class QueryError(Exception):
     """A statement that was refused, failed, or ran out of time; the message is for the agent."""
 
 
-def time_limit_message(limit_s: float) -> str:
-    return f"the statement ran longer than the {limit_s:g} s time limit and was stopped"
-
-
 # authorizer action codes -> what they are, for refusal messages (e.g. 18 -> "INSERT")
 _ACTIONS = {getattr(sqlite3, f"SQLITE_{name}"): name.replace("_", " ") for name in (
     "ALTER_TABLE", "ANALYZE", "ATTACH", "CREATE_INDEX", "CREATE_TABLE", "CREATE_TEMP_INDEX", "CREATE_TEMP_TABLE",
@@ -191,12 +189,12 @@ class ReadOnlyConnection:
         return sqlite3.SQLITE_DENY
 
     def _over_time(self) -> int:
-        return 1 if time.monotonic() > self._deadline else 0  # non-zero interrupts the statement
+        return 1 if time.thread_time() > self._deadline else 0  # non-zero interrupts the statement
 
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]], bool]:
         """Runs one statement -> (column names, up to `max_rows` rows, whether rows were left unread)."""
         self._refusal = None
-        self._deadline = time.monotonic() + self.time_limit_s
+        self._deadline = time.thread_time() + self.time_limit_s  # the handler runs on this thread
         cursor = None
         try:
             cursor = self._conn.execute(sql)
@@ -212,7 +210,8 @@ class ReadOnlyConnection:
             if self._refusal:
                 raise QueryError(self._refusal) from None
             if isinstance(e, sqlite3.OperationalError) and str(e) == "interrupted":
-                raise QueryError(time_limit_message(self.time_limit_s)) from None
+                raise QueryError(f"the statement used more than the {self.time_limit_s:g} s (CPU) time limit "
+                                 "and was stopped") from None
             raise QueryError(f"{type(e).__name__}: {e}") from None
         finally:
             self._deadline = float("inf")

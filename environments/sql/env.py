@@ -7,8 +7,8 @@ column names do not matter, column count and values do (floats compared at 6 dec
 equals 3). Every statement runs on a read-only connection (`database.py`) in a worker process
 shared by the sessions (`workers.py`): writes, ATTACH, schema changes and functions that load
 code or hand out memory addresses are refused with a message saying so, a statement stops after
-`STATEMENT_TIME_LIMIT_S` of wall-clock time whatever it runs, and at most `MAX_ROWS` rows (and
-`MAX_RESULT_BYTES`) are read. An episode ends unanswered after `MAX_TURNS` turns.
+`STATEMENT_TIME_LIMIT_S` of CPU time or `workers.WALL_LIMIT_S` of wall-clock time whatever it
+runs, and at most `MAX_ROWS` rows (and `MAX_RESULT_BYTES`) are read. An episode ends unanswered after `MAX_TURNS` turns.
 
 Tasks: `tasks.py`'s templates over the database, at three levels; oracle: the gold SQL.
 """
@@ -134,7 +134,8 @@ class SQLEnv(Environment):
             has_oracle=cls.has_oracle,
             metadata={"levels": [t.level for t in all_tasks], "templates": [t.template for t in all_tasks],
                       "max_turns": MAX_TURNS, "max_rows": database.MAX_ROWS,
-                      "statement_time_limit_s": database.STATEMENT_TIME_LIMIT_S,
+                      "statement_cpu_time_limit_s": database.STATEMENT_TIME_LIMIT_S,
+                      "statement_wall_time_limit_s": workers.WALL_LIMIT_S,
                       "flight_subsample": database.FLIGHT_SUBSAMPLE, "db_version": database.DB_VERSION},
         )
 
