@@ -137,13 +137,13 @@ class Environment(abc.ABC):
         return {}
 
     @classmethod
-    def on_server_start(cls) -> None:
-        """Called once when a server for this class starts (e.g. to warm engine processes); must not block."""
-
-    @classmethod
     def idle_engines(cls) -> int:
         """Engines of `session_memory_mb` kept warm besides the sessions' own (they count against memory)."""
         return 0
+
+    @classmethod
+    def on_server_start(cls) -> None:
+        """Called once when a server for this class starts (e.g. to warm engine processes); must not block."""
 
     @classmethod
     def on_server_stop(cls) -> None:
