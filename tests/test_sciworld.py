@@ -279,17 +279,17 @@ def test_creates_hold_no_engine_and_the_default_cap_follows_from_memory():
     may time out and never use them) start none. Without --max_sessions the cap is what half the
     machine's memory holds of engines, less the warm ones, named in /health (not 1024: 340 GB)."""
     with start_server("sciworld", env_vars={"SCIWORLD_POOL_SIZE": "0"}, timeout_s=120) as url:
-        health = request_json(url, "GET", "/health")[1]
-        engines = int(re.fullmatch(rf"memory: 50% of [\d.]+ GiB holds (\d+) engines of "
-                                   rf"{SciWorldEnv.session_memory_mb:g} MiB, less 0 kept idle", health["max_sessions_from"])[1])
-        assert health["max_sessions"] == max(1, engines)
-        assert engines * SciWorldEnv.session_memory_mb <= 0.5 * psutil.virtual_memory().total / 2**20
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             created = list(pool.map(lambda _: request_json(url, "POST", "/create", {}, timeout_s=5), range(8)))
         assert all(status == 200 for status, _ in created)
         assert not [p for p in psutil.Process(server_pid(url)).children(recursive=True) if p.name() == "java"]
         for _, answer in created:
             assert request_json(url, "POST", "/close", {"id": answer["id"]})[0] == 200
+        health = request_json(url, "GET", "/health")[1]
+        engines = int(re.fullmatch(rf"memory: 50% of [\d.]+ GiB holds (\d+) engines of "
+                                   rf"{SciWorldEnv.session_memory_mb:g} MiB, less 0 kept idle", health["max_sessions_from"])[1])
+        assert health["max_sessions"] == max(1, engines)
+        assert engines * SciWorldEnv.session_memory_mb <= 0.5 * psutil.virtual_memory().total / 2**20
 
 
 def test_oracle_solves_every_task_name(url):
