@@ -142,6 +142,16 @@ def test_unparseable_reply_is_an_invalid_turn_counted_in_info(url):
     assert result["info"]["invalid_action"] is False and result["info"]["invalid_actions"] == 2
 
 
+def test_the_action_is_the_first_line_after_the_last_action_marker(url):
+    """A thought that mentions `Action:` does not hide the action after it."""
+    plain, thought = new_episode(url, data_idx=4), new_episode(url, data_idx=4)
+    move = request_json(url, "GET", f"/oracle_action?id={plain}")[1]["action"]
+    expected = request_json(url, "POST", "/step", {"id": plain, "action": move})[1]
+    reply = f"Thought: an `Action: jump` would be invalid.\naction:\n\n  {move}  \nthen the next one."
+    result = request_json(url, "POST", "/step", {"id": thought, "action": reply})[1]
+    assert result["info"]["invalid_action"] is False and result["observation"] == expected["observation"]
+
+
 def test_close_frees_the_session(url):
     session = new_episode(url)
     sessions_before = request_json(url, "GET", "/health")[1]["sessions"]

@@ -7,9 +7,9 @@ task name and seed, and starts the episode, so a task id shows the same page in 
 
 Observation: the task's utterance, then the page as text (`page.RENDER_JS`): one line per
 element an agent can act on or read, `[ref] tag#id "text" state`, indented by nesting. Actions
-(from `Action: ...`): `click [ref]`, `type [ref] "text"` (replaces the field's content),
-`press [ref] key` (Enter, Tab, Backspace, ArrowDown, ctrl+a, ...), `scroll up|down` or
-`scroll [ref] up|down`. An action the page cannot take (no such ref, an element covered by
+(from `Action: ...`): `click [ref]`, `type [ref] "text"` (replaces the field's content; at most
+`MAX_TYPE_CHARS` characters), `press [ref] key` (Enter, Tab, Backspace, ArrowDown, ctrl+a, ...),
+`scroll up|down` or `scroll [ref] up|down`. An action the page cannot take (no such ref, an element covered by
 another, typing into a button) is an ordinary invalid turn whose observation says why.
 
 Reward and success are MiniWoB's own: the episode ends when the task's JavaScript calls
