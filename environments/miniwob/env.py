@@ -9,8 +9,9 @@ Observation: the task's utterance, then the page as text (`page.RENDER_JS`): one
 element an agent can act on or read, `[ref] tag#id "text" state`, indented by nesting. Actions
 (from `Action: ...`): `click [ref]`, `type [ref] "text"` (replaces the field's content; at most
 `MAX_TYPE_CHARS` characters), `press [ref] key` (Enter, Tab, Backspace, ArrowDown, ctrl+a, ...),
-`scroll up|down` or `scroll [ref] up|down`. An action the page cannot take (no such ref, an element covered by
-another, typing into a button) is an ordinary invalid turn whose observation says why.
+`scroll up|down` or `scroll [ref] up|down`. An action the page cannot take (no such ref, an
+element covered by another, typing into a button) is an ordinary invalid turn whose observation
+says why.
 
 Reward and success are MiniWoB's own: the episode ends when the task's JavaScript calls
 `core.endEpisode(reward)`; the reward of that step is the raw reward (in [-1, 1], without
