@@ -14,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.envs = "textcraft,babyai,maze,wordle"  # comma-separated names from environments/registry.py
     config.host = "127.0.0.1"
     config.base_port = 0  # 0: free ports chosen by the OS
-    config.max_sessions = 0  # per server; past it /create answers 503; 0: the environment's own (1024; miniwob 8)
+    config.max_sessions = 0  # per server; past it /create answers 503; 0: the environment's own (1024; sciworld, miniwob: from memory)
     config.session_idle_timeout_s = 600.0  # abandoned sessions are reaped after this
     config.auth_token = ""  # when set, every request must carry `Authorization: Bearer <token>`
     config.play_oracle_episode = True  # after start-up, play one oracle episode per environment

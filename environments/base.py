@@ -14,23 +14,26 @@ from typing import Any, ClassVar
 
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 
-_ACTION_RE = re.compile(r"Action:\s*(.*)", re.IGNORECASE | re.DOTALL)
+_ACTION_MARKER = re.compile(r"action:", re.IGNORECASE)
+_NON_SPACE = re.compile(r"\S")
+_LINE_END = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")  # what `str.splitlines` splits at
 
 
 def parse_thought_action(text: str) -> str | None:
-    """`Thought: ... Action: <a>` -> `<a>` (first line after the last `Action:`).
+    """`Thought: ... Action: <a>` -> `<a>` (first non-empty line after the last `Action:`).
 
     Text without an `Action:` marker is taken as the action itself, so AgentGym clients that
     send already-parsed actions work unchanged. Empty results are `None` (an invalid action).
+    Linear in the length of the text, like every parser here: replies are untrusted input.
     """
-    matches = list(_ACTION_RE.finditer(text))
-    if matches:
-        text = matches[-1].group(1)
-    for line in text.strip().splitlines():
-        line = " ".join(line.split())
-        if line:
-            return line
-    return None
+    last = None
+    for last in _ACTION_MARKER.finditer(text):
+        pass
+    start = _NON_SPACE.search(text, last.end() if last else 0)  # the first non-empty line starts here
+    if start is None:
+        return None
+    end = _LINE_END.search(text, start.start())
+    return " ".join(text[start.start():end.start() if end else len(text)].split())
 
 
 def every_kth_held_out(num_tasks: int, every: int) -> dict[str, list[int]]:
@@ -50,6 +53,9 @@ class Environment(abc.ABC):
     blocking: ClassVar[bool] = False  # True: the server runs this env's calls in a thread pool
     # The server's session cap when `--max_sessions` is not given (each session one live episode).
     max_sessions: ClassVar[int] = 1024
+    # Resident memory (MiB) of the engine process each session holds (a JVM, a browser); non-zero:
+    # the default cap follows from the machine's memory instead (`sessions.default_max_sessions`).
+    session_memory_mb: ClassVar[float] = 0.0
     # Names of extra zero-argument methods served as `GET /<name>?id=` (AgentGym extras such as
     # Wordle's `filtered_vocab`); the method's JSON-able return value is the whole answer.
     extra_queries: ClassVar[tuple[str, ...]] = ()
@@ -129,6 +135,11 @@ class Environment(abc.ABC):
     def reset_fields(self) -> dict[str, Any]:
         """Extra fields of the `/reset` answer that AgentGym's client reads (SciWorld's `task_description`)."""
         return {}
+
+    @classmethod
+    def idle_engines(cls) -> int:
+        """Engines of `session_memory_mb` kept warm besides the sessions' own (they count against memory)."""
+        return 0
 
     @classmethod
     def on_server_start(cls) -> None:

@@ -20,7 +20,7 @@ from aiohttp import web
 from environments import registry
 from environments.base import Environment
 from environments.perturbation import Perturbation, perturbed
-from environments.server import DEFAULT_MAX_BODY_BYTES, make_app
+from environments.server import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_BODY_BYTES, make_app
 
 
 def resolve_environment(spec: str) -> type[Environment]:
@@ -41,9 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--auth_token", default=None, help="require `Authorization: Bearer <token>` (all but /health)")
     parser.add_argument("--max_sessions", type=int, default=None,
-                        help="past it /create answers 503 (default: the environment's own, 1024; miniwob 8)")
+                        help="past it /create answers 503 (default: the environment's own, 1024; for sciworld "
+                             "and miniwob what half the machine's memory holds; /health names it)")
     parser.add_argument("--idle_timeout_s", type=float, default=900.0, help="sessions idle this long are closed")
     parser.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    parser.add_argument("--max_action_chars", type=int, default=DEFAULT_MAX_ACTION_CHARS,
+                        help="a longer /step action is an invalid turn the environment never sees")
     parser.add_argument("--threads", type=int, default=None, help="thread pool size for blocking environments")
     parser.add_argument("--perturbation", default="",
                         help="perturb every session, e.g. noise=0.05,truncate=300,tool_failure=0.1,schema_change=3,"
@@ -57,10 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace, env_cls: type[Environment]) -> None:
     app = make_app(
         env_cls,
-        max_sessions=env_cls.max_sessions if args.max_sessions is None else args.max_sessions,
+        max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout_s,
         auth_token=args.auth_token,
         max_body_bytes=args.max_body_bytes,
+        max_action_chars=args.max_action_chars,
         threads=args.threads,
         agentgym_errors=args.agentgym_errors,
     )

@@ -5,8 +5,11 @@ Requests and answers are described in `docs/protocol.md`. Every error is an HTTP
 JSON body `{"error": ...}` (with `agentgym_errors`, refusals and environment failures are HTTP
 200 `{"error": ...}`, as AgentGym's servers answer them); nothing a client sends can crash the
 server or touch another session.
-Cheap environments run inline on the event loop; `Environment.blocking = True` moves an
-environment's calls to a thread pool (one call per session at a time, per the session lock).
+Cheap environments run inline on the event loop (one call at a time), except a step with a reply
+longer than `INLINE_REPLY_CHARS`, which runs in a thread while the environment's other calls
+wait; `Environment.blocking = True` moves all of an environment's calls to a thread pool (one
+call per session at a time, per the session lock). A reply (the `/step` action text) longer than
+`max_action_chars` is an invalid turn that never reaches the environment.
 """
 
 from __future__ import annotations
@@ -24,18 +27,28 @@ from aiohttp import web
 from agentgym_jax.envs import protocol
 from agentgym_jax.envs.protocol import ProtocolError
 from environments.base import Environment
-from environments.sessions import Session, SessionTable, reap_forever
+from environments.sessions import Session, SessionTable, default_max_sessions, reap_forever
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024  # far above any model turn; a 1 MB action is refused (413)
+# Characters of one `/step` action (the model's whole reply) an environment is given: ~2000
+# tokens, far above a turn's `max_tokens_per_turn` (256 by default); longer is an invalid turn.
+DEFAULT_MAX_ACTION_CHARS = 8192
+# The longest reply an inline environment is stepped with on the event loop: Python string work
+# over a megabyte takes ~0.1 s, which /health and every other session would wait for.
+INLINE_REPLY_CHARS = 16_384
 ERROR_STATUS_HEADER = "X-Error-Status"  # with --agentgym_errors: the status a 200 error answer stands for
 # AgentGym's SearchQA and tool clients name the session `env_idx` and the task `id` at /reset
 TOOL_SESSION_FIELD, TOOL_TASK_FIELD = "env_idx", "id"
 UNPARSED_ACTION = (
     "Invalid action: no action found in your reply. "
     "Answer in the format \"Thought: <your thoughts> Action: <one action>\"."
+)
+REPLY_TOO_LONG = (
+    "Invalid action: your reply is {chars} characters long and this server reads at most {limit}. "
+    "Answer briefly in the format \"Thought: <your thoughts> Action: <one action>\"."
 )
 
 
@@ -133,26 +146,34 @@ def _pick(fields: Any, aliases: tuple[str, ...], kind: type, name: str) -> Any:
 class EnvServer:
     """The protocol handlers for one environment class over one session table."""
 
-    def __init__(self, env_cls: type[Environment], table: SessionTable, executor: concurrent.futures.Executor | None):
+    def __init__(self, env_cls: type[Environment], table: SessionTable, executor: concurrent.futures.Executor | None,
+                 max_action_chars: int = DEFAULT_MAX_ACTION_CHARS, max_sessions_from: str = "--max_sessions"):
         self.env_cls = env_cls
         self.table = table
         self.executor = executor  # None: call the environment inline on the event loop
+        self.max_action_chars = max_action_chars
+        self.max_sessions_from = max_sessions_from  # what the cap follows from, named in /health
+        self.inline_turn = asyncio.Lock()  # an inline environment's code never runs twice at once
         self.task_info = env_cls.task_info()
         self.num_tasks = self.task_info.num_tasks
         self.tasks_body = json.dumps(self.task_info.to_json())
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self.executor is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _call(self, fn: Callable[..., T], *args: Any, long: bool = False) -> T:
+        """Runs an environment call: in the pool for blocking environments, else on the event loop,
+        or, when `long`, in a thread while the inline environment's other calls wait."""
+        loop = asyncio.get_running_loop()
+        if self.executor is not None:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        async with self.inline_turn:  # free unless a long call is in its thread: no wait then
+            return await loop.run_in_executor(None, fn, *args) if long else fn(*args)
 
-    async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any) -> T:
+    async def _call_env(self, session: Session, fn: Callable[..., T], *args: Any, long: bool = False) -> T:
         """Runs an environment call; an exception marks the session broken and becomes a 500.
 
         A `ProtocolError` the environment raises is a refusal (its 4xx), not a failure.
         """
         try:
-            return await self._call(fn, *args)
+            return await self._call(fn, *args, long=long)
         except ProtocolError:
             raise  # the environment refused this request (a 4xx); the episode is intact
         except Exception as e:
@@ -192,6 +213,12 @@ class EnvServer:
         body = await _json_body(request)  # AgentGym's TextCraft client posts settings we do not need
         self.env_cls.check_create(body)
         session = await self.table.create(functools.partial(self._call, self.env_cls))
+        if request.transport is None or request.transport.is_closing():
+            # The client gave up while the environment was built (a time-out); nobody knows this
+            # id, so its engine would sit unused until the idle reaper: release it now.
+            log.info("%s session %d built for a client that went away; closing it", self.env_cls.name, session.id)
+            await self.close_session(self.table.pop(session.id))
+            raise ProtocolError("the client went away before its session was built; it was closed", 408)
         answer = {"id": session.id, "observation": ""}  # TextCraft's client reads `observation`; /reset starts the episode
         if shaping := body.get("reward_shaping"):
             session.env.reward_shaping = shaping
@@ -200,11 +227,11 @@ class EnvServer:
 
     async def reset(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        session = self._session(body)
         task_aliases = protocol.TASK_ID_ALIASES + ((TOOL_TASK_FIELD,) if TOOL_SESSION_FIELD in body else ())
         data_idx = _pick(body, task_aliases, int, "data_idx")
         if not 0 <= data_idx < self.num_tasks:
             raise ProtocolError(f"data_idx {data_idx} out of range: valid task ids are 0..{self.num_tasks - 1}")
+        session = self._session(body)
         async with session.lock:
             if session.closed:
                 raise ProtocolError(f"session {session.id} was closed", 404)
@@ -218,13 +245,14 @@ class EnvServer:
 
     async def step(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        session = self._session(body)
         text = _pick(body, protocol.ACTION_ALIASES, str, "action")
+        session = self._session(body)
         async with session.lock:
             self._check_live(session, "/step")
             if session.done:
                 raise ProtocolError(f"episode of session {session.id} is done; POST /reset to start another", 409)
-            result = await self._call_env(session, _step, session.env, text)
+            result = await self._call_env(session, _step, session.env, text, self.max_action_chars,
+                                          long=len(text) > INLINE_REPLY_CHARS)
             session.done = result.done
             if result.info.get("invalid_action"):
                 session.invalid_actions += 1
@@ -283,7 +311,8 @@ class EnvServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "ok", "env": self.env_cls.name, "sessions": len(self.table),
-             "max_sessions": self.table.max_sessions}
+             "max_sessions": self.table.max_sessions, "max_sessions_from": self.max_sessions_from,
+             "max_action_chars": self.max_action_chars}
         )
 
     async def tasks(self, request: web.Request) -> web.Response:
@@ -307,8 +336,10 @@ def _reset(env: Environment, data_idx: int) -> tuple[str, float, dict[str, Any]]
     return observation, env.score(), env.reset_fields()
 
 
-def _step(env: Environment, text: str) -> protocol.StepResult:
-    """Model text or a parsed action -> one step; unreadable text is an ordinary invalid turn."""
+def _step(env: Environment, text: str, max_action_chars: int) -> protocol.StepResult:
+    """Model text or a parsed action -> one step; unreadable or over-long text is an ordinary invalid turn."""
+    if len(text) > max_action_chars:
+        return env.result(REPLY_TOO_LONG.format(chars=len(text), limit=max_action_chars), 0.0, False, invalid=True)
     action = env.parse_action(text)
     if action is None:
         return env.result(UNPARSED_ACTION, 0.0, False, invalid=True)
@@ -318,26 +349,33 @@ def _step(env: Environment, text: str) -> protocol.StepResult:
 def make_app(
     env_cls: type[Environment],
     *,
-    max_sessions: int = 1024,
+    max_sessions: int | None = None,
     idle_timeout_s: float = 900.0,
     auth_token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_action_chars: int = DEFAULT_MAX_ACTION_CHARS,
     threads: int | None = None,
     agentgym_errors: bool = False,
 ) -> web.Application:
     """An aiohttp app serving `env_cls` on the plain paths and on each of its `route_prefixes`.
 
-    `auth_token` guards every path but `/health` (so launchers can wait for readiness without
-    it). `threads` sizes the pool used when `env_cls.blocking` (default: min(32, max_sessions)).
-    `agentgym_errors` answers refusals and environment failures as HTTP 200 `{"error"}`, for
-    AgentGym's unchanged clients (see `_error_middleware`).
+    `max_sessions` None: the environment's default (`sessions.default_max_sessions`: from memory
+    for engine-backed ones). `auth_token` guards every path but `/health` (so launchers can wait
+    for readiness without it). `threads` sizes the pool used when `env_cls.blocking` (default:
+    min(32, max_sessions)). `agentgym_errors` answers refusals and environment failures as HTTP
+    200 `{"error"}`, for AgentGym's unchanged clients (see `_error_middleware`).
     """
+    if max_action_chars < 1:
+        raise ValueError(f"max_action_chars must be >= 1, got {max_action_chars}")
+    max_sessions_from = "--max_sessions"
+    if max_sessions is None:
+        max_sessions, max_sessions_from = default_max_sessions(env_cls)
     table = SessionTable(max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
     executor = None
     if env_cls.blocking:
         workers = threads or min(32, max_sessions)
         executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{env_cls.name}-env")
-    server = EnvServer(env_cls, table, executor)
+    server = EnvServer(env_cls, table, executor, max_action_chars, max_sessions_from)
 
     prefixes = ("",) + tuple(env_cls.route_prefixes)
     middlewares = [_error_middleware(env_cls.name, max_body_bytes, agentgym_errors)]

@@ -41,3 +41,11 @@ class BlockingFaultyMazeEnv(FaultyMazeEnv):
     """The same, with its calls run in the server's thread pool."""
 
     blocking = True
+
+
+class SlowStartMazeEnv(BlockingFaultyMazeEnv):
+    """Takes a second to build (an engine starting), in the server's thread pool."""
+
+    def __init__(self) -> None:
+        time.sleep(1.0)
+        super().__init__()

@@ -13,6 +13,11 @@
 `request_json(url, "POST", "/step", {"id": 0, "action": "move up"})` -> `(status, body)` is a
 small synchronous HTTP call for tests; 4xx/5xx answers come back as values, not exceptions.
 
+`server_pid(url)` is the process listening at the URL (to look at its engine children).
+
+`with health_latencies(url) as seconds:` polls `/health` from another process while the block
+runs; afterwards `seconds` holds each answer's latency (e.g. to show the server stayed responsive).
+
 Keyword arguments become `--key=value` flags of `environments.serve` (`key=True`: a bare `--key`); `env_vars` adds to the
 subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free port on
 127.0.0.1, the call returns once `/health` answers, and the process is killed on exit.
@@ -29,8 +34,11 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Iterator
+
+import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,3 +110,41 @@ def request_json(url: str, method: str, path: str, body: Any = None, *, data: by
         status, raw, kind = e.code, e.read(), e.headers.get_content_type()
     assert kind == "application/json", f"{method} {path} -> {status} {kind}: {raw[:200]!r}"
     return status, json.loads(raw)
+
+
+def server_pid(url: str) -> int:
+    port = urllib.parse.urlparse(url).port
+    return next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN")
+
+
+_HEALTH_PROBE = """
+import json, sys, threading, time, urllib.request
+url, interval_s = sys.argv[1], float(sys.argv[2])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+seconds = []
+while not stop.is_set():
+    start = time.monotonic()
+    with urllib.request.urlopen(url + "/health", timeout=30) as answer:
+        answer.read()
+    seconds.append(time.monotonic() - start)
+    if len(seconds) == 1:
+        print("ready", flush=True)
+    time.sleep(interval_s)
+print(json.dumps(seconds), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def health_latencies(url: str, interval_s: float = 0.005) -> Iterator[list[float]]:
+    """Polls `/health` every `interval_s` from a separate process (so the test's own work, such as
+    encoding megabytes of JSON, cannot delay it) while the block runs; fills the list on exit."""
+    probe = subprocess.Popen([sys.executable, "-c", _HEALTH_PROBE, url, str(interval_s)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    seconds: list[float] = []
+    try:
+        assert probe.stdout.readline().strip() == "ready", "the /health probe did not start"
+        yield seconds
+    finally:
+        out, _ = probe.communicate(input="", timeout=60)
+        seconds.extend(json.loads(out.splitlines()[-1]) if out.strip() else [])

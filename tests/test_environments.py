@@ -1,23 +1,52 @@
-"""Every registered environment through a real server: endpoints, oracle, determinism, invalid actions.
+"""Every registered environment through a real server: endpoints, oracle, determinism, invalid
+actions, hostile replies.
 
-One server per environment per module. An environment whose own module does not exist yet is
-skipped (it is being written); any other import error fails.
+One server per environment per module, registered environments all (a new one joins by its line
+in `environments/registry.py`). An environment whose own module does not exist yet is skipped
+(it is being written); any other import error fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
+import time
 
 import aiohttp
 import pytest
 
 from environments.registry import ENVIRONMENTS, get_environment
-from tests.servers import request_json, start_server
+from tests.servers import health_latencies, request_json, start_server
 
 MAX_ORACLE_STEPS = 300  # far above any environment's own episode limit
 NONSENSE = "Thought: I will do something odd.\nAction: xyzzy plugh 42 ???"
 SERVER_START_TIMEOUT_S = 600  # a first start may build an environment's data (TextWorld's games: once per machine)
+
+# Replies built to make a parser or an engine slow or crash: quadratic regexes (a lazy group
+# after a repeated tag, whitespace before a fence), numbers too long for int(), text too long to
+# type. Every environment gets every one, 1 MB each (the servers here lift the action cap to let
+# them through): each must be an ordinary turn answered within a second, /health staying fast.
+HOSTILE_CHARS = 1_000_000
+HOSTILE_REPLIES = {
+    "one_long_line": "Action: " + "x" * HOSTILE_CHARS,
+    "action_markers": "Action:" * (HOSTILE_CHARS // 7),
+    "newlines": "Action:" + "\n" * HOSTILE_CHARS + "x",
+    "search_tags": "<search>" * (HOSTILE_CHARS // 8),
+    "answer_tags": "<answer>x</answer>" + "<answer>" * (HOSTILE_CHARS // 8),
+    "brackets": "Action: " + "[" * HOSTILE_CHARS,
+    "spaces_before_a_fence": "Action: execute SELECT 1" + " " * HOSTILE_CHARS + "x",
+    "fenced_spaces": "Action: answer ```sql\n" + " " * HOSTILE_CHARS + "x",
+    "nested_sql": "Action: execute SELECT " + "(" * HOSTILE_CHARS,
+    "a_long_number": "Action: " + "9" * HOSTILE_CHARS,
+    "a_long_bracketed_number": "Action: [" + "9" * HOSTILE_CHARS + "]",
+    "a_long_count": "Action: get " + "9" * HOSTILE_CHARS + " oak log",
+    "a_long_ingredient_count": "Action: craft 1 stick using " + "9" * HOSTILE_CHARS + " oak planks",
+    "a_long_object_number": "Action: go to the red ball " + "9" * HOSTILE_CHARS,
+    "a_long_element_ref": "Action: click [" + "9" * HOSTILE_CHARS + "]",
+    "long_text_to_type": 'Action: type [1] "' + "a" * HOSTILE_CHARS + '"',
+    "two_byte_characters": "Action: " + "\u00e9" * (HOSTILE_CHARS // 2),
+}
 
 
 def _require_module(name: str) -> None:
@@ -33,9 +62,11 @@ def _require_module(name: str) -> None:
 
 @pytest.fixture(scope="module", params=sorted(ENVIRONMENTS))
 def served(request):
-    """(name, url, /tasks body) of a server started with PYTHONHASHSEED=1."""
+    """(name, url, /tasks body) of a server started with PYTHONHASHSEED=1, its action cap lifted
+    past `HOSTILE_CHARS` (so parsers and engines face the hostile replies themselves)."""
     _require_module(request.param)
-    with start_server(request.param, env_vars={"PYTHONHASHSEED": "1"}, timeout_s=SERVER_START_TIMEOUT_S) as url:
+    with start_server(request.param, env_vars={"PYTHONHASHSEED": "1"}, timeout_s=SERVER_START_TIMEOUT_S,
+                      max_action_chars=2 * HOSTILE_CHARS, max_body_bytes=16 * HOSTILE_CHARS) as url:
         status, tasks = request_json(url, "GET", "/tasks")
         assert status == 200, tasks
         yield request.param, url, tasks
@@ -109,6 +140,31 @@ def test_invalid_action_is_an_observation_with_zero_reward(served):
         assert result["reward"] == 0 and result["done"] is False and result["observation"].strip()
         assert result["info"]["invalid_action"] is True and result["info"]["success"] is False
     assert result["info"]["invalid_actions"] == 2
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_hostile_replies_are_quick_ordinary_turns_and_health_stays_fast(served):
+    name, url, tasks = served
+    task = tasks["splits"]["test"][0]
+    session = request_json(url, "POST", "/create", {})[1]["id"]
+    assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task})[0] == 200
+    bodies = {key: json.dumps({"id": session, "action": text}).encode() for key, text in HOSTILE_REPLIES.items()}
+    answered_s = {}
+    with health_latencies(url) as health_s:
+        for key, body in bodies.items():
+            start = time.monotonic()
+            status, result = request_json(url, "POST", "/step", data=body)
+            answered_s[key] = time.monotonic() - start
+            assert status == 200, (key, result)
+            assert result["reward"] == 0 and result["info"]["success"] is False, (key, result["observation"][:200])
+            if result["done"]:
+                assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task})[0] == 200
+    slow = {key: round(s, 2) for key, s in answered_s.items() if s >= 1.0}
+    assert not slow, f"{name}: replies answered in 1 s or more: {slow}"
+    # /health within 100 ms; on a loaded machine scheduling alone can delay one answer, so the
+    # 90th percentile is held to that, and every answer to a second (a blocked server: minutes).
+    assert len(health_s) >= 10 and sorted(health_s)[int(0.9 * len(health_s))] < 0.1 and max(health_s) < 1.0, \
+        f"{name}: /health answers took {sorted(round(s, 3) for s in health_s)[-5:]} s at the slowest"
     request_json(url, "POST", "/close", {"id": session})
 
 

@@ -14,7 +14,6 @@ import re
 import signal
 import threading
 import time
-import urllib.parse
 
 import psutil
 import pytest
@@ -23,7 +22,7 @@ from environments.miniwob import oracle, tasks
 from environments.miniwob.browser import Browser, chromedriver_path, env_number
 from environments.miniwob.env import MiniWoBEnv, parse_text_argument
 from environments.miniwob.tasks import task_id
-from tests.servers import request_json, start_server
+from tests.servers import request_json, server_pid, start_server
 from tests.test_env_pool import oracle_episodes_watched
 from tests.test_environments import _run_oracle
 
@@ -230,6 +229,20 @@ def test_invalid_actions_are_observations_that_say_why(url, action, why):
     assert first.split("\n", 1)[1] in result["observation"]  # the page is shown again
 
 
+def test_over_long_text_to_type_is_an_invalid_turn_and_the_session_goes_on(url):
+    """5000 characters (within the server's reply cap) would take Chromium seconds to type;
+    100,000 took 31 s, past the driver's time-out, and broke the session."""
+    session, first = new_episode(url, task_id("enter-text", 0))
+    field = ref_of(first, r"^input#tt")
+    start = time.monotonic()
+    result = step(url, session, f'type [{field}] "{"a" * 5000}"')
+    assert time.monotonic() - start < 1.0
+    assert result["info"]["invalid_action"] is True and result["reward"] == 0 and not result["done"]
+    assert "5000 characters long; type at most 1000" in result["observation"]
+    assert 'value="abc"' in step(url, session, f'type [{field}] "abc"')["observation"]
+    request_json(url, "POST", "/close", {"id": session})
+
+
 def test_typing_into_a_button_is_invalid(url):
     session, first = new_episode(url, task_id("enter-text", 0))
     result = step(url, session, f'type [{ref_of(first, "button#subbtn")}] "hello"')
@@ -277,18 +290,13 @@ def test_whole_episodes_are_the_same_in_another_server_process(url):
     assert pages[0] != pages[1]
 
 
-def _server_pid(url: str) -> int:
-    port = urllib.parse.urlparse(url).port
-    return next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN")
-
-
-def _drivers(server_pid: int) -> set[int]:
-    return {p.pid for p in psutil.Process(server_pid).children() if p.name() == "chromedriver"}
+def _drivers(pid: int) -> set[int]:
+    return {p.pid for p in psutil.Process(pid).children() if p.name() == "chromedriver"}
 
 
 def test_session_cap_and_idle_reaping_close_browsers():
     with start_server("miniwob", max_sessions=2, idle_timeout_s=8, env_vars={"MINIWOB_POOL_SIZE": "0"}) as url:
-        server = _server_pid(url)
+        server = server_pid(url)
         first = request_json(url, "POST", "/create", {})[1]["id"]
         assert not _drivers(server)  # a browser starts with the first reset
         new_episode(url, task_id("click-test", 0))
@@ -305,21 +313,26 @@ def test_session_cap_and_idle_reaping_close_browsers():
 
 
 def test_env_pool_bounds_live_sessions_and_so_browsers():
-    """Without --max_sessions the server caps sessions at `MiniWoBEnv.max_sessions` (8); an EnvPool
-    bounded to 2 plays 6 oracle episodes started at once with at most 2 sessions open, so the
-    server starts 2 browsers in all (the idle-browser pool reuses them), and every episode succeeds."""
+    """Without --max_sessions the server caps sessions at what half the machine's memory holds of
+    browsers (named in /health); an EnvPool bounded to 2 plays 6 oracle episodes started at once
+    with at most 2 sessions open, so the server starts 2 browsers in all (the idle-browser pool
+    reuses them), and every episode succeeds."""
     ids = [task_id(name, 5) for name in sorted(oracle.SOLVERS)[:6]]
     with start_server("miniwob") as url:
-        assert request_json(url, "GET", "/health")[1]["max_sessions"] == MiniWoBEnv.max_sessions == 8
+        health = request_json(url, "GET", "/health")[1]
+        browsers = int(re.fullmatch(r"memory: 50% of [\d.]+ GiB holds (\d+) engines of 400 MiB, less 0 kept idle",
+                                    health["max_sessions_from"])[1])
+        assert health["max_sessions"] == max(1, browsers)
+        assert browsers * MiniWoBEnv.session_memory_mb <= 0.5 * psutil.virtual_memory().total / 2**20
         episodes, client, seen = asyncio.run(oracle_episodes_watched(url, ids, max_sessions=2))
-        drivers = _drivers(_server_pid(url))
+        drivers = _drivers(server_pid(url))
     assert [e.status.value for e in episodes] == ["success"] * 6, [(e.data_idx, e.error) for e in episodes]
     assert client.calls["/create"] == 2 and max(seen) <= 2 and len(drivers) == 2
 
 
 def test_closed_sessions_leave_warm_browsers_for_the_next():
     with start_server("miniwob", env_vars={"MINIWOB_POOL_SIZE": "1"}) as url:
-        server = _server_pid(url)
+        server = server_pid(url)
         sessions = [new_episode(url, task_id("click-test", 0))[0] for _ in range(2)]
         drivers = _drivers(server)
         for session in sessions:
@@ -338,7 +351,7 @@ def test_a_killed_or_hung_browser_ends_its_session_and_the_others_go_on(fault):
 
 
 def _break_a_browser_under_a_session(url: str, sig: int) -> None:
-    server = _server_pid(url)
+    server = server_pid(url)
     victim, _ = new_episode(url, task_id("click-test", 0))
     (driver,) = _drivers(server)
     survivor, first = new_episode(url, task_id("click-test", 5))

@@ -8,8 +8,11 @@ In-process checks share one engine (a JVM); server checks share one server per m
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import re
 
 import aiohttp
+import psutil
 import pytest
 from scienceworld.constants import ID2TASK
 
@@ -19,7 +22,7 @@ from environments.sciworld import tasks as task_list
 from environments.sciworld.env import STEP_LIMIT, SciWorldEnv
 from environments.sciworld.pool import SimulatorPool
 from environments.sciworld.simulator import JavaMissing, Simulator
-from tests.servers import request_json, start_server
+from tests.servers import request_json, server_pid, start_server
 from tests.test_environments import _run_oracle
 
 
@@ -269,6 +272,24 @@ def test_bad_input_gets_clear_errors_and_the_session_survives(url):
     status, body = request_json(url, "POST", "/step", {"id": session, "action": "look around"})
     assert status == 409 and "done" in body["error"]
     request_json(url, "POST", "/close", {"id": session})
+
+
+def test_creates_hold_no_engine_and_the_default_cap_follows_from_memory():
+    """A session takes its JVM (~400 MB) at its first reset: eight creates at once (clients that
+    may time out and never use them) start none. Without --max_sessions the cap is what half the
+    machine's memory holds of engines, less the warm ones, named in /health (not 1024: 340 GB)."""
+    with start_server("sciworld", env_vars={"SCIWORLD_POOL_SIZE": "0"}, timeout_s=120) as url:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            created = list(pool.map(lambda _: request_json(url, "POST", "/create", {}, timeout_s=5), range(8)))
+        assert all(status == 200 for status, _ in created)
+        assert not [p for p in psutil.Process(server_pid(url)).children(recursive=True) if p.name() == "java"]
+        for _, answer in created:
+            assert request_json(url, "POST", "/close", {"id": answer["id"]})[0] == 200
+        health = request_json(url, "GET", "/health")[1]
+        engines = int(re.fullmatch(rf"memory: 50% of [\d.]+ GiB holds (\d+) engines of "
+                                   rf"{SciWorldEnv.session_memory_mb:g} MiB, less 0 kept idle", health["max_sessions_from"])[1])
+        assert health["max_sessions"] == max(1, engines)
+        assert engines * SciWorldEnv.session_memory_mb <= 0.5 * psutil.virtual_memory().total / 2**20
 
 
 def test_oracle_solves_every_task_name(url):

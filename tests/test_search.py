@@ -9,9 +9,11 @@ import asyncio
 import hashlib
 import os
 import pathlib
+import random
 import re
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -20,7 +22,8 @@ from agentgym_jax.envs.dialects import DialectClient, dialect_client_factory
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
 from environments.search import corpus
-from environments.search.env import MAX_TURNS, NOTHING_FOUND, SearchEnv, exact_match, f1_score, normalize_answer
+from environments.search.env import (MAX_TURNS, NOTHING_FOUND, SearchEnv, exact_match, f1_score, first_tag, last_answer,
+                                     normalize_answer)
 from tests.servers import REPO, request_json, start_server
 
 
@@ -45,6 +48,25 @@ def test_answer_normalisation_exact_match_and_f1():
     # prediction "vella city" vs gold "andorra la vella": 1 common token, P = 1/2, R = 1/3, F1 = 0.4
     assert f1_score("Vella city", ("Andorra la Vella",)) == pytest.approx(0.4)
     assert f1_score("Paris", ("Lyon", "Paris")) == 1.0 and f1_score("Rome", ("Paris",)) == 0.0
+
+
+def test_tags_are_read_as_the_regexes_read_them_in_linear_time():
+    """`first_tag` / `last_answer` against the lazy regexes they replace (quadratic on `<search>`
+    repeated: 96 KB of it held a server 24 s), over random soups of tags, then on 1 MB."""
+    tag = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+    answer = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    pieces = ["<search>", "</search>", "<answer>", "</answer>", "<", ">", "/", "search", "answer", "a b", "\n"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        match = tag.search(text)
+        assert first_tag(text) == (match.groups() if match else None), text
+        if match and match[1] == "answer":
+            assert last_answer(text) == answer.findall(text)[-1], text
+    for text in ["<search>" * 125_000, "<answer>x</answer>" + "<answer>" * 125_000]:
+        start = time.monotonic()
+        first_tag(text), last_answer(text)
+        assert time.monotonic() - start < 0.5
 
 
 def test_questions_are_verified_against_the_index_and_need_one_to_three_hops():

@@ -2,21 +2,28 @@
 
 Bad input of every kind gets its documented status and a JSON error, and the server keeps
 serving other sessions; plus the session cap, idle reaping, step-after-done, environment
-exceptions, the thread pool for blocking environments, bearer tokens and AgentGym's aliases.
+exceptions, the thread pool for blocking environments, bearer tokens and AgentGym's aliases;
+random session ids, the action-length cap, and creates whose client went away.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 
+import aiohttp
 import pytest
 
+from agentgym_jax.envs.client import EnvClient, EnvServerError
+from agentgym_jax.envs.dialects import DialectClient
 from environments.registry import ENVIRONMENTS
 from tests.servers import REPO, request_json, start_server
 
@@ -135,6 +142,16 @@ def test_unparseable_reply_is_an_invalid_turn_counted_in_info(url):
     assert result["info"]["invalid_action"] is False and result["info"]["invalid_actions"] == 2
 
 
+def test_the_action_is_the_first_line_after_the_last_action_marker(url):
+    """A thought that mentions `Action:` does not hide the action after it."""
+    plain, thought = new_episode(url, data_idx=4), new_episode(url, data_idx=4)
+    move = request_json(url, "GET", f"/oracle_action?id={plain}")[1]["action"]
+    expected = request_json(url, "POST", "/step", {"id": plain, "action": move})[1]
+    reply = f"Thought: an `Action: jump` would be invalid.\naction:\n\n  {move}  \nthen the next one."
+    result = request_json(url, "POST", "/step", {"id": thought, "action": reply})[1]
+    assert result["info"]["invalid_action"] is False and result["observation"] == expected["observation"]
+
+
 def test_close_frees_the_session(url):
     session = new_episode(url)
     sessions_before = request_json(url, "GET", "/health")[1]["sessions"]
@@ -172,10 +189,97 @@ def test_session_cap_refuses_then_frees_a_slot():
         first, second = (request_json(url, "POST", "/create", {})[1]["id"] for _ in range(2))
         status, body = request_json(url, "POST", "/create", {})
         assert status == 503 and "session cap 2" in body["error"]
-        assert {first, second} == {0, 1}
+        health = request_json(url, "GET", "/health")[1]
+        assert health["max_sessions"] == 2 and health["max_sessions_from"] == "--max_sessions"
         assert request_json(url, "POST", "/close", {"id": first})[0] == 200
         status, body = request_json(url, "POST", "/create", {})
         assert status == 200 and body["id"] not in (first, second)  # ids are never reused
+
+
+def test_session_ids_are_random_63_bit_integers_another_client_cannot_guess(url):
+    """Ids are not 0, 1, 2, ...: a client that tries small ids (or its own id +-1) reaches no
+    session, and ids round-trip as JSON integers, in bodies and in query strings."""
+    ids = [new_episode(url) for _ in range(16)]
+    assert len(set(ids)) == 16 and all(isinstance(i, int) and 0 <= i < 2**63 for i in ids)
+    assert max(ids) > 2**53  # past a double's exact integers, so JSON readers must keep ints (all 16 below: p = 2**-160)
+    for guess in [*range(64), *(i + d for i in ids for d in (-1, 1))]:
+        if guess in ids:
+            continue
+        assert request_json(url, "POST", "/step", {"id": guess, "action": "move up"})[0] == 404
+        assert request_json(url, "POST", "/close", {"id": guess})[0] == 404
+    for session in ids:
+        assert_steps_correctly(url, session)
+        assert request_json(url, "GET", f"/observation?id={session}")[0] == 200
+        assert request_json(url, "POST", "/close", {"id": session}) == (200, {"id": session, "closed": True})
+
+
+def test_large_ids_round_trip_through_our_client_and_an_agentgym_format_one(url):
+    """Ids past 2**53 (where a double loses integers) through `EnvClient`, and through the AgentGym
+    `maze` dialect's client on a server answering errors AgentGym's way (`--agentgym_errors`)."""
+
+    async def play(url: str, client_of) -> None:
+        async with aiohttp.ClientSession() as http:
+            client = client_of(url, http)
+            for _ in range(20):
+                if (session := await client.create()) > 2**53:
+                    break
+                await client.close(session)  # p = 2**-10 each
+            assert session > 2**53, "ids stay small"
+            await client.reset(session, 3)
+            result = await client.step(session, await client.oracle_action(session))
+            assert result.info["invalid_action"] is False and await client.observation(session) == result.observation
+            await client.close(session)
+            with pytest.raises(EnvServerError) as closed:
+                await client.step(session, "move up")
+            assert closed.value.status == 404 and str(session) in closed.value.message
+
+    asyncio.run(play(url, EnvClient))
+    with start_server("maze", agentgym_errors=True) as agentgym_url:
+        asyncio.run(play(agentgym_url, lambda u, http: DialectClient(u, http, dialect="maze")))
+
+
+def test_an_over_long_reply_is_an_invalid_turn_the_environment_never_sees(url):
+    """A reply past `max_action_chars` (8192 by default, named in /health) is an ordinary invalid
+    turn, even when it ends in a valid action; one at the cap is read as usual."""
+    assert request_json(url, "GET", "/health")[1]["max_action_chars"] == 8192
+    session = new_episode(url)
+    _, before = request_json(url, "GET", f"/observation?id={session}")
+    move = request_json(url, "GET", f"/oracle_action?id={session}")[1]["action"]
+    tail = f"\nAction: {move}"
+    status, result = request_json(url, "POST", "/step", {"id": session, "action": "x" * (8193 - len(tail)) + tail})
+    assert status == 200 and result["reward"] == 0 and result["done"] is False
+    assert result["info"]["invalid_action"] is True and result["info"]["invalid_actions"] == 1
+    assert "8193 characters" in result["observation"] and "at most 8192" in result["observation"]
+    assert request_json(url, "GET", f"/observation?id={session}")[1] == before  # the maze did not move
+    status, result = request_json(url, "POST", "/step", {"id": session, "action": "x" * (8192 - len(tail)) + tail})
+    assert status == 200 and result["info"]["invalid_action"] is False
+
+
+def test_max_action_chars_is_a_flag():
+    with start_server("maze", max_action_chars=20) as url:
+        assert request_json(url, "GET", "/health")[1]["max_action_chars"] == 20
+        session = new_episode(url)
+        result = request_json(url, "POST", "/step", {"id": session, "action": "Thought: up.\nAction: move up"})[1]
+        assert result["info"]["invalid_action"] is True and "at most 20" in result["observation"]
+        assert request_json(url, "POST", "/step", {"id": session, "action": "Action: move up"})[1]["info"]["invalid_action"] is False
+
+
+def test_a_create_whose_client_went_away_closes_its_environment(tmp_path):
+    """The client of a /create that takes a second (an engine starting) hangs up after 0.2 s:
+    the server closes the environment it built instead of keeping a session nobody knows."""
+    close_log = tmp_path / "closed.txt"
+    with start_server("tests.server_test_envs:SlowStartMazeEnv", env_vars={"CLOSE_LOG": str(close_log)}) as url:
+        address = urllib.parse.urlsplit(url)
+        with socket.create_connection((address.hostname, address.port)) as client:
+            client.sendall(b"POST /create HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 2\r\n\r\n{}")
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while not close_log.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert close_log.read_text().count("closed") == 1
+        assert request_json(url, "GET", "/health")[1]["sessions"] == 0
+        assert_steps_correctly(url, new_episode(url))  # a client that waits gets its session
 
 
 def test_idle_sessions_are_reaped_busy_ones_kept(tmp_path):

@@ -1,22 +1,27 @@
 """The SQL environment: result comparison, the read-only connection's refusals, time limit and
 row cap, the generated tasks, the oracle on every test id, a real server (execute, answer,
-refusals, session caps) and a deterministic cached build. The shared endpoint/bad-input/
-determinism tests run it too (`tests/test_environments.py`)."""
+refusals, session caps, statements stopped at the wall-clock limit whatever they run, runaway
+statements beside a short one, capped results) and a deterministic cached build. The shared
+endpoint/bad-input/determinism tests run it too (`tests/test_environments.py`)."""
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import os
+import random
+import re
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 
-from environments.sql import database, tasks
-from environments.sql.env import MAX_TURNS, SHOWN_ROWS, SQLEnv, same_result
+from environments.sql import database, tasks, workers
+from environments.sql.env import MAX_TURNS, SHOWN_ROWS, SHOWN_VALUE_CHARS, SQLEnv, same_result, strip_fences
 from tests.servers import REPO, request_json, start_server
 
 
@@ -65,6 +70,7 @@ def test_the_database_holds_the_package_tables(db_path):
     ("CREATE TEMP VIEW v AS SELECT 1", "changing the database schema"),
     ("ATTACH DATABASE '/tmp/other.sqlite' AS other", "ATTACH"),
     ("SELECT load_extension('/tmp/evil.so')", "the function load_extension"),
+    ("SELECT fts3_tokenizer('simple')", "the function fts3_tokenizer"),  # returns a memory address
     ("PRAGMA journal_mode = WAL", "PRAGMA journal_mode"),
     ("BEGIN", "TRANSACTION"),
 ])
@@ -196,6 +202,20 @@ def test_action_parsing_keeps_multi_line_sql_and_drops_code_fences():
     env.close()
 
 
+def test_fences_are_stripped_as_the_regex_strips_them_in_linear_time():
+    """`strip_fences` against the regex it replaces (`\\s*```$` tried after every whitespace: 60 KB
+    of spaces held a server 10 s), over random texts, then on 1 MB."""
+    fence = re.compile(r"^```(?:[a-zA-Z]+\n)?\s*|\s*```$")
+    pieces = ["```", "sql", "\n", " ", "\t", "x", "`", "SELECT 1"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        assert strip_fences(text) == fence.sub("", text.strip()).strip(), text
+    start = time.monotonic()
+    assert strip_fences("execute" + " " * 1_000_000 + "x```") == "execute" + " " * 1_000_000 + "x"
+    assert time.monotonic() - start < 0.5
+
+
 def test_the_turn_limit_ends_an_episode():
     env = SQLEnv()
     env.reset(0)
@@ -204,6 +224,54 @@ def test_the_turn_limit_ends_an_episode():
         assert result.done == (turn == MAX_TURNS) and result.reward == 0
     assert "used all" in result.observation and not env.verify()
     env.close()
+
+
+# One function call that runs for seconds between two VM instructions (9 s of CPU measured),
+# where SQLite's CPU-time check never runs: only killing its process stops it.
+PRINTF_BOMB = "Action: execute SELECT printf('%.*c', 2000000000, 'x')"
+KILLED_BY_S = workers.WALL_LIMIT_S
+
+
+def _step_timed(url: str, session: int, action: str) -> tuple[float, dict]:
+    start = time.monotonic()
+    status, result = request_json(url, "POST", "/step", {"id": session, "action": action})
+    assert status == 200, result
+    return time.monotonic() - start, result
+
+
+def test_a_statement_stops_at_the_wall_clock_limit_whatever_it_runs(url):
+    session = _new_episode(url, 0)
+    seconds, result = _step_timed(url, session, PRINTF_BOMB)
+    assert "time limit" in result["observation"] and not result["done"], result["observation"]
+    assert seconds < KILLED_BY_S + 1.5, f"stopped after {seconds:.1f} s"
+    _, after = _step_timed(url, session, "Action: execute SELECT COUNT(*) FROM airlines")
+    assert after["observation"].split("\n")[1] == "16"  # the session goes on, on a fresh worker
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_results_are_capped_in_bytes_and_long_values_cut_in_the_observation(url):
+    session = _new_episode(url, 0)
+    _, huge = _step_timed(url, session, "Action: execute SELECT printf('%.*c', 999999, 'x') FROM flights LIMIT 10")
+    assert "larger than 4,000,000 bytes" in huge["observation"] and len(huge["observation"]) < 1000
+    _, cut = _step_timed(url, session, "Action: execute SELECT printf('%.*c', 5000, 'x') AS v")
+    assert cut["observation"].split("\n")[1] == "x" * SHOWN_VALUE_CHARS + "... (5000 characters)"
+    request_json(url, "POST", "/close", {"id": session})
+
+
+def test_runaway_statements_do_not_hold_up_another_sessions_query():
+    """Two sessions' statements that never yield fill both threads of a 2-thread server; a third
+    session's short query waits only until they are killed at the limit (9 s of CPU each before)."""
+    with start_server("sql", threads=2, timeout_s=600) as small:
+        bombers, asker = [_new_episode(small, 0) for _ in range(2)], _new_episode(small, 1)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            bombs = [pool.submit(_step_timed, small, s, PRINTF_BOMB) for s in bombers]
+            time.sleep(0.3)
+            seconds, result = _step_timed(small, asker, "Action: execute SELECT COUNT(*) FROM airlines")
+            assert result["observation"].split("\n")[1] == "16"
+            assert seconds < KILLED_BY_S + 2.5, f"a short query waited {seconds:.1f} s behind runaway ones"
+            for bomb in bombs:
+                bomb_s, bombed = bomb.result()
+                assert "time limit" in bombed["observation"] and bomb_s < KILLED_BY_S + 2.5
 
 
 def test_session_cap():

@@ -30,8 +30,9 @@ PRIMITIVES: dict[str, Actions] = {
     "toggle": Actions.toggle,
 }
 VERBS = ("go to", "pick up", "go through", "toggle and go through")
+# An object's number has at most 9 digits (a longer one is no object's, and int() of one past 4300 digits raises).
 _TARGETED = re.compile(r"^(go to|pick up|go through|toggle and go through) (?:the )?(\w+) "
-                       r"(?:open |closed |locked )?(\w+)(?: (\d+))?$")
+                       r"(?:open |closed |locked )?(\w+)(?: (\d{1,9}))?$")
 
 
 @dataclasses.dataclass(frozen=True)

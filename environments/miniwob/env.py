@@ -7,10 +7,11 @@ task name and seed, and starts the episode, so a task id shows the same page in 
 
 Observation: the task's utterance, then the page as text (`page.RENDER_JS`): one line per
 element an agent can act on or read, `[ref] tag#id "text" state`, indented by nesting. Actions
-(from `Action: ...`): `click [ref]`, `type [ref] "text"` (replaces the field's content),
-`press [ref] key` (Enter, Tab, Backspace, ArrowDown, ctrl+a, ...), `scroll up|down` or
-`scroll [ref] up|down`. An action the page cannot take (no such ref, an element covered by
-another, typing into a button) is an ordinary invalid turn whose observation says why.
+(from `Action: ...`): `click [ref]`, `type [ref] "text"` (replaces the field's content; at most
+`MAX_TYPE_CHARS` characters), `press [ref] key` (Enter, Tab, Backspace, ArrowDown, ctrl+a, ...),
+`scroll up|down` or `scroll [ref] up|down`. An action the page cannot take (no such ref, an
+element covered by another, typing into a button) is an ordinary invalid turn whose observation
+says why.
 
 Reward and success are MiniWoB's own: the episode ends when the task's JavaScript calls
 `core.endEpisode(reward)`; the reward of that step is the raw reward (in [-1, 1], without
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 TIME_LIMIT_MS = 24 * 3600 * 1000  # MiniWoB's episode timer (below setTimeout's 2^31 ms ceiling)
 MAX_TEXT = 120  # characters of one element's text in the observation
 MAX_LINES = 150  # lines of the page in the observation; the rest is summarised as a count
+# Characters one `type` action may enter; longer is an invalid turn. Chromium types ~3 a
+# millisecond (100,000 took 31 s, past the driver's time-out, which broke the session).
+MAX_TYPE_CHARS = 1000
 
 INSTRUCTION = (
     "You are a web agent in a browser showing a small web page with a task (MiniWoB++). Each turn I "
@@ -49,7 +53,7 @@ INSTRUCTION = (
     "Thought:\nyour reasoning\n\nAction:\nyour next action"
 )
 
-_REF = r"\[?(\d+)\]?"
+_REF = r"\[?(\d{1,9})\]?"  # a longer number is no element's (and int() of one past 4300 digits raises)
 _CLICK = re.compile(rf"click\s+{_REF}\s*$", re.IGNORECASE)
 _TYPE = re.compile(rf"type\s+{_REF}\s+(.*)$", re.IGNORECASE)
 _PRESS = re.compile(rf"press\s+{_REF}\s+(\S+)\s*$", re.IGNORECASE)
@@ -97,7 +101,9 @@ class MiniWoBEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     success_threshold: ClassVar[float] = 1.0
     blocking: ClassVar[bool] = True  # every call waits on the browser
-    max_sessions: ClassVar[int] = 8  # one Chromium each (~400 MB, 0.5-2 s of CPU to start); EnvPool waits for a free one
+    # One Chromium each (started by the first reset; idle ones are earlier sessions' browsers, so
+    # they never outnumber the cap): the default cap follows from memory. EnvPool waits for a free one.
+    session_memory_mb: ClassVar[float] = 400
     # The shared suite's sweep: each session starts a browser (0.5-2 s of CPU, ~400 MB), so few
     # at a time; tests/test_miniwob.py covers every oracle task.
     oracle_sweep_episodes: ClassVar[int] = 16
@@ -195,9 +201,13 @@ class MiniWoBEnv(Environment):
             if m := _CLICK.match(action):
                 browser.call(self._element(m[1]).click)
             elif m := _TYPE.match(action):
+                text = parse_text_argument(m[2])
+                if len(text) > MAX_TYPE_CHARS:
+                    raise InvalidAction(f"the text to type is {len(text)} characters long; type at most "
+                                        f"{MAX_TYPE_CHARS} at a time")
                 element = self._element(m[1])
                 browser.call(element.clear)
-                browser.call(element.send_keys, parse_text_argument(m[2]))
+                browser.call(element.send_keys, text)
             elif m := _PRESS.match(action):
                 element = self._element(m[1])
                 *mods, key = m[2].split("+")

@@ -15,7 +15,9 @@ orders in 12 loads of one variation). Observations put such runs of same-named l
 order (`canonical_order`), so a task id always gives the same text.
 
 Speed: a step is the engine's plain step; the valid-action list (the slow call) is computed
-only for `/available_actions`. Each session owns one engine process from a warm pool (`pool.py`).
+only for `/available_actions`. Each session owns one engine process from a warm pool (`pool.py`),
+taken at its first reset (a `/create` holds none), so the server's default session cap follows
+from the machine's memory at `session_memory_mb` per engine.
 
 Oracle: the engine's gold path. Planning it makes a load 2-10x slower, so it is planned only
 when `/oracle_action` is first asked, by reloading the variation with the gold path and replaying
@@ -32,6 +34,7 @@ from typing import Any, ClassVar
 
 from agentgym_jax.envs.protocol import ProtocolError, StepResult, TaskInfo
 from environments.base import Environment
+from environments.sciworld import pool
 from environments.sciworld import tasks as task_list
 from environments.sciworld.pool import shared_pool
 from environments.sciworld.simulator import Simulator
@@ -116,6 +119,7 @@ class SciWorldEnv(Environment):
     instruction: ClassVar[str] = INSTRUCTION
     success_threshold: ClassVar[float] = 100.0
     blocking: ClassVar[bool] = True  # engine calls block on a JVM; run them in the thread pool
+    session_memory_mb: ClassVar[float] = pool.configured_heap_mb() + pool.ENGINE_OVERHEAD_MB
     extra_queries: ClassVar[tuple[str, ...]] = ("task_description", "goals", "action_hint")  # AgentGym's GETs
     # The shared suite's sweep: a gold-path episode costs seconds of engine CPU, and sessions
     # beyond the idle engines start JVMs; tests/test_sciworld.py covers every task name.
@@ -123,8 +127,9 @@ class SciWorldEnv(Environment):
     oracle_sweep_concurrency: ClassVar[int] = 1
 
     def __init__(self, simulator: Simulator | None = None) -> None:
-        """Runs on `simulator` if given (tests), else on an engine from the warm pool."""
-        self.simulator: Simulator = simulator or shared_pool().acquire()
+        """Runs on `simulator` if given (tests), else on an engine from the warm pool taken at the
+        first reset (so a `/create` whose client timed out and sent it again holds no engine)."""
+        self.simulator: Simulator | None = simulator
         self.task: task_list.Task | None = None
         self._description = ""
         self._first_observation = ""
@@ -151,6 +156,10 @@ class SciWorldEnv(Environment):
         )
 
     @classmethod
+    def idle_engines(cls) -> int:
+        return pool.configured_size()
+
+    @classmethod
     def on_server_start(cls) -> None:
         shared_pool().start()
 
@@ -163,6 +172,8 @@ class SciWorldEnv(Environment):
         if not 0 <= data_idx < len(all_tasks):
             raise ValueError(f"ScienceWorld task id {data_idx} out of range [0, {len(all_tasks)})")
         self.task = all_tasks[data_idx]
+        if self.simulator is None:
+            self.simulator = shared_pool().acquire()
         self.simulator.load(self.task.name, self.task.variation)
         self._description = self.simulator.task_description()
         self._first_observation = canonical_order(self.simulator.step("look around"))
@@ -255,4 +266,5 @@ class SciWorldEnv(Environment):
                 "possible_objects": self.simulator.object_names()}
 
     def close(self) -> None:
-        shared_pool().release(self.simulator)
+        if self.simulator is not None:
+            shared_pool().release(self.simulator)

@@ -9,8 +9,10 @@ takes the last idle engine, a background thread starts a replacement (one at a t
 never competes with itself for the CPU); a session that finds none idle waits for that one or
 starts its own. At most `size` engines stay idle: past that, the one idle longest is shut down.
 Memory is bounded per engine by the JVM heap cap and in total by the number of engines: at most
-`max_sessions + size` (the server's session cap plus the idle ones), each about heap + 80 MB
-resident (330 MB measured at a 256 MB heap).
+`max_sessions + size` (the server's session cap plus the idle ones), each about heap +
+`ENGINE_OVERHEAD_MB` resident (330 MB measured at a 256 MB heap); the server's default cap
+follows from that (`SciWorldEnv.session_memory_mb`). At most `PARALLEL_STARTS` engines start at
+once: a JVM start is seconds of CPU, and more at once only make every one of them later.
 
 Configuration (read once per process): `SCIWORLD_POOL_SIZE` (default 2, 0 disables warming) and
 `SCIWORLD_HEAP_MB` (default `simulator.DEFAULT_HEAP_MB`).
@@ -28,11 +30,28 @@ from environments.sciworld.simulator import DEFAULT_HEAP_MB, Simulator
 log = logging.getLogger(__name__)
 
 WARM_UP_TASK = ("boil", 0)  # the slowest first load; loading it once warms the engine's classes
+ENGINE_OVERHEAD_MB = 80  # an engine's resident memory beyond its heap
+PARALLEL_STARTS = 2
+_STARTS = threading.Semaphore(PARALLEL_STARTS)
+
+
+def configured_size() -> int:
+    return int(os.environ.get("SCIWORLD_POOL_SIZE", "2"))
+
+
+def configured_heap_mb() -> int:
+    return int(os.environ.get("SCIWORLD_HEAP_MB", str(DEFAULT_HEAP_MB)))
+
+
+def start(heap_mb: int) -> Simulator:
+    """A new engine, once fewer than `PARALLEL_STARTS` others are starting."""
+    with _STARTS:
+        return Simulator(heap_mb)
 
 
 def start_warm(heap_mb: int) -> Simulator:
     """Starts an engine and loads one task so that the session's first load is quick."""
-    simulator = Simulator(heap_mb)
+    simulator = start(heap_mb)
     simulator.load(*WARM_UP_TASK)
     simulator.step("look around")
     return simulator
@@ -125,7 +144,7 @@ class SimulatorPool:
                 if simulator.alive():
                     return simulator
                 simulator.close()
-        return Simulator(self.heap_mb)
+        return start(self.heap_mb)
 
     def release(self, simulator: Simulator) -> None:
         """Takes an engine back from a closed session: kept if there is room, else shut down."""
@@ -149,6 +168,4 @@ class SimulatorPool:
 @functools.cache
 def shared_pool() -> SimulatorPool:
     """The process's pool, configured from `SCIWORLD_POOL_SIZE` and `SCIWORLD_HEAP_MB`."""
-    size = int(os.environ.get("SCIWORLD_POOL_SIZE", "2"))
-    heap_mb = int(os.environ.get("SCIWORLD_HEAP_MB", str(DEFAULT_HEAP_MB)))
-    return SimulatorPool(size, heap_mb)
+    return SimulatorPool(configured_size(), configured_heap_mb())

@@ -42,8 +42,6 @@ INVALID = (
     "To give the final answer, put it between <answer> and </answer>. Please try again."
 )
 NOTHING_FOUND = "No document matches the query: it has no word the documents use (besides stopwords)."
-_TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _PUNCTUATION = frozenset(string.punctuation)
 
 
@@ -69,6 +67,36 @@ def f1_score(prediction: str, golds: tuple[str, ...]) -> float:
             precision, recall = common / len(predicted), common / len(wanted)
             best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def first_tag(text: str) -> tuple[str, str] | None:
+    """(kind, content) of the first `<search>...</search>` or `<answer>...</answer>` block, or None.
+
+    The block that opens first wins, as AgentGym reads a turn; a tag that is never closed does
+    not count. Linear time (a regex with a lazy group is quadratic on `<search>` repeated).
+    """
+    found = []
+    for kind in ("search", "answer"):
+        opening, closing = f"<{kind}>", f"</{kind}>"
+        start = text.find(opening)
+        if start >= 0 and text.rfind(closing) >= start + len(opening):  # the earliest opening that is closed
+            found.append((start, kind))
+    if not found:
+        return None
+    start, kind = min(found)
+    content_start = start + len(kind) + 2
+    return kind, text[content_start:text.find(f"</{kind}>", content_start)]
+
+
+def last_answer(text: str) -> str:
+    """The content of the last closed `<answer>...</answer>` block (blocks read left to right, not nested)."""
+    answer, position = "", 0
+    while (start := text.find("<answer>", position)) >= 0:
+        end = text.find("</answer>", start + 8)
+        if end < 0:
+            break
+        answer, position = text[start + 8:end], end + 9
+    return answer
 
 
 def render_information(documents: list[corpus.Document]) -> str:
@@ -122,10 +150,10 @@ class SearchEnv(Environment):
     def step(self, action: str) -> StepResult:
         self.turns += 1
         out_of_turns = self.turns >= MAX_TURNS
-        match = _TAG.search(action)
-        kind, content = (match.group(1), match.group(2).strip()) if match else (None, "")
+        kind, content = first_tag(action) or (None, "")
+        content = content.strip()
         if kind == "answer":
-            self.answer = _ANSWER.findall(action)[-1].strip()
+            self.answer = last_answer(action).strip()
             em = exact_match(self.answer, self.question.answers)
             verdict = "correct" if em else "incorrect"
             self._observation = f"Your answer is {verdict}. The episode is over."

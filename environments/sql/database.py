@@ -6,11 +6,14 @@ The `flights` table keeps every `FLIGHT_SUBSAMPLE`-th row of the package's 336,7
 package's order, the first row kept), so gold queries take milliseconds; the other tables are
 whole. "NA" becomes NULL. The file is built into `cache_dir()` in a folder named by `DB_VERSION`.
 
-`ReadOnlyConnection` is how a session runs SQL: the file opened with `mode=ro`, an authorizer
-that allows only reads (no writes, ATTACH, schema changes, transactions, writing pragmas or
-`load_extension`), extension loading off, a per-statement time limit (a progress handler
-counting the statement's thread CPU time, so a loaded machine does not cut honest queries) and a
-cap on the rows fetched. Refusals and failures raise `QueryError` with a message for the agent.
+`ReadOnlyConnection` is how a statement runs (in a worker process of `workers.py`): the file
+opened with `mode=ro`, an authorizer that allows only reads (no writes, ATTACH, schema changes,
+transactions, writing pragmas, `load_extension`, or `fts3_tokenizer`, which hands out a memory
+address), extension loading off, a per-statement time limit (a progress handler counting the
+statement's thread CPU time, so a loaded machine does not cut honest queries; the worker pool
+adds a wall-clock limit that also stops a function call that runs for seconds between two checks),
+and caps on the rows and bytes fetched. Refusals and failures raise `QueryError` with a message
+for the agent.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ FLIGHT_SUBSAMPLE = 10  # keep flights rows 0, 10, 20, ... of the package's 336,7
 STATEMENT_TIME_LIMIT_S = 2.0  # CPU seconds; a statement using more is interrupted (gold queries use < 0.05)
 MAX_ROWS = 1000  # rows fetched per statement; the rest are not read
 MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: no string or blob past 1 MB (randomblob bombs)
+MAX_RESULT_BYTES = 4_000_000  # text and blob bytes of the rows fetched per statement (1000 rows of 1 MB values: no)
 PROGRESS_EVERY = 10_000  # VM instructions between time-limit checks
 
 # table -> ((column, SQL type), ...), in the CSV's column order
@@ -141,18 +145,20 @@ _ACTIONS = {getattr(sqlite3, f"SQLITE_{name}"): name.replace("_", " ") for name 
     "TRANSACTION", "UPDATE") if hasattr(sqlite3, f"SQLITE_{name}")}
 _READS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}
 _READ_PRAGMAS = frozenset({"table_info", "table_xinfo", "table_list", "index_list", "index_info", "foreign_key_list"})
-_REFUSED_FUNCTIONS = frozenset({"load_extension"})
+# load_extension runs native code; fts3_tokenizer(name) returns the address of a C structure
+# (a pointer that defeats address-space randomisation) and with two arguments installs one.
+_REFUSED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer"})
 
 
 class ReadOnlyConnection:
-    """One session's connection: reads only, time-limited statements, capped rows."""
+    """A connection that reads only, with time-limited statements and capped results."""
 
-    def __init__(self, path: pathlib.Path, time_limit_s: float = STATEMENT_TIME_LIMIT_S, max_rows: int = MAX_ROWS):
+    def __init__(self, path: pathlib.Path, time_limit_s: float = STATEMENT_TIME_LIMIT_S, max_rows: int = MAX_ROWS,
+                 max_result_bytes: int = MAX_RESULT_BYTES):
         self.time_limit_s = time_limit_s
         self.max_rows = max_rows
-        # check_same_thread=False: the server's thread pool may run a session's calls on any
-        # worker, one at a time (the session lock)
-        self._conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+        self.max_result_bytes = max_result_bytes
+        self._conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
         if hasattr(self._conn, "enable_load_extension"):
             self._conn.enable_load_extension(False)
         self._conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
@@ -192,7 +198,13 @@ class ReadOnlyConnection:
         cursor = None
         try:
             cursor = self._conn.execute(sql)
-            rows = cursor.fetchmany(self.max_rows + 1)
+            rows, size = [], 0
+            while len(rows) <= self.max_rows and (row := cursor.fetchone()) is not None:
+                size += sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in row)
+                if size > self.max_result_bytes:
+                    raise QueryError(f"the result is larger than {self.max_result_bytes:,} bytes; "
+                                     "select fewer rows or shorter values")
+                rows.append(row)
             columns = [d[0] for d in cursor.description or ()]
         except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as e:
             if self._refusal:

@@ -4,10 +4,11 @@ Each turn is `Action: execute <SQL>` (runs one statement and shows its first `SH
 the error) or `Action: answer <SQL>` (ends the episode). Reward 1 when the answer's result set
 equals the gold query's: as multisets of rows, or as lists when the question fixes the order;
 column names do not matter, column count and values do (floats compared at 6 decimals, 3.0
-equals 3). Every statement runs on the session's read-only connection (`database.py`): writes,
-ATTACH, schema changes and `load_extension` are refused with a message saying so, statements
-stop after `STATEMENT_TIME_LIMIT_S` of CPU time, and at most `MAX_ROWS` rows are read. An episode ends
-unanswered after `MAX_TURNS` turns.
+equals 3). Every statement runs on a read-only connection (`database.py`) in a worker process
+shared by the sessions (`workers.py`): writes, ATTACH, schema changes and functions that load
+code or hand out memory addresses are refused with a message saying so, a statement stops after
+`STATEMENT_TIME_LIMIT_S` of CPU time or `workers.WALL_LIMIT_S` of wall-clock time whatever it
+runs, and at most `MAX_ROWS` rows (and `MAX_RESULT_BYTES`) are read. An episode ends unanswered after `MAX_TURNS` turns.
 
 Tasks: `tasks.py`'s templates over the database, at three levels; oracle: the gold SQL.
 """
@@ -21,16 +22,31 @@ from typing import Any, ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out
-from environments.sql import database, tasks
+from environments.sql import database, tasks, workers
 
 MAX_TURNS = 20
 SHOWN_ROWS = 20  # rows of an `execute` result written into the observation
+SHOWN_VALUE_CHARS = 200  # characters of one value written into the observation (values reach 1 MB)
 TEST_EVERY = 10  # task ids divisible by this form the test split
 FLOAT_DIGITS = 6  # result values are compared rounded to this many decimals
 
 _ACTION = re.compile(r"^(execute|answer)\b\s*(.*)$", re.IGNORECASE | re.DOTALL)
-_FENCE = re.compile(r"^```(?:[a-zA-Z]+\n)?\s*|\s*```$")  # ```sql\n ... ``` or ```...```
+_FENCE_LANGUAGE = re.compile(r"[a-zA-Z]+\n")  # the `sql` of a ```sql fence
 _MARKER = re.compile(r"Action:\s*", re.IGNORECASE)
+
+
+def strip_fences(text: str) -> str:
+    """`````sql\nSELECT 1```` -> `SELECT 1`: a leading fence (with a language name) and a trailing
+    one removed, with the whitespace around the text. Linear time, unlike a regex that looks for
+    a closing fence after every run of whitespace."""
+    text = text.strip()
+    if text.startswith("```"):
+        text = text[3:]
+        if language := _FENCE_LANGUAGE.match(text):
+            text = text[language.end():]
+    if text.endswith("```"):
+        text = text[:-3]
+    return text.strip()
 
 
 def _schema_text() -> str:
@@ -78,10 +94,15 @@ def same_result(got: list[tuple[Any, ...]], gold: list[tuple[Any, ...]], ordered
     return collections.Counter(got_rows) == collections.Counter(gold_rows)
 
 
+def _shown(value: Any) -> str:
+    text = "NULL" if value is None else str(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} characters)"
+
+
 def render(columns: list[str], rows: list[tuple[Any, ...]], more: bool) -> str:
-    """`a | b` lines: a header, the first `SHOWN_ROWS` rows and a count line."""
+    """`a | b` lines: a header, the first `SHOWN_ROWS` rows (long values cut) and a count line."""
     lines = [" | ".join(columns)]
-    lines += [" | ".join("NULL" if v is None else str(v) for v in row) for row in rows[:SHOWN_ROWS]]
+    lines += [" | ".join(_shown(v) for v in row) for row in rows[:SHOWN_ROWS]]
     total = f"more than {len(rows)}" if more else str(len(rows))
     shown = f", showing the first {SHOWN_ROWS}" if len(rows) > SHOWN_ROWS else ""
     return "\n".join(lines + [f"({total} rows{shown})"])
@@ -96,7 +117,6 @@ class SQLEnv(Environment):
     oracle_sweep_concurrency: ClassVar[int] = 8
 
     def __init__(self) -> None:
-        self.conn = database.ReadOnlyConnection(_db_path())
         self.task: tasks.Task | None = None
         self.turns = 0
         self.answer_rows: list[tuple[Any, ...]] | None = None
@@ -115,6 +135,7 @@ class SQLEnv(Environment):
             metadata={"levels": [t.level for t in all_tasks], "templates": [t.template for t in all_tasks],
                       "max_turns": MAX_TURNS, "max_rows": database.MAX_ROWS,
                       "statement_cpu_time_limit_s": database.STATEMENT_TIME_LIMIT_S,
+                      "statement_wall_time_limit_s": workers.WALL_LIMIT_S,
                       "flight_subsample": database.FLIGHT_SUBSAMPLE, "db_version": database.DB_VERSION},
         )
 
@@ -122,7 +143,7 @@ class SQLEnv(Environment):
     def parse_action(cls, text: str) -> str | None:
         """Everything after the last `Action:` (SQL may span lines), code fences removed."""
         parts = _MARKER.split(text)
-        action = _FENCE.sub("", parts[-1].strip()).strip()
+        action = strip_fences(parts[-1])
         return action or None
 
     def reset(self, data_idx: int) -> str:
@@ -140,9 +161,9 @@ class SQLEnv(Environment):
         match = _ACTION.match(action.strip())
         if match is None or not match.group(2).strip():
             return self._end_or_go_on(INVALID, out_of_turns, invalid=True)
-        kind, sql = match.group(1).lower(), _FENCE.sub("", match.group(2).strip()).strip()
+        kind, sql = match.group(1).lower(), strip_fences(match.group(2))
         try:
-            columns, rows, more = self.conn.query(sql)
+            columns, rows, more = workers.shared_pool().query(sql)
         except database.QueryError as e:
             if kind == "answer":
                 self.answer_rows = []
@@ -177,5 +198,6 @@ class SQLEnv(Environment):
     def oracle_action(self) -> str:
         return f"answer {self.task.sql}"
 
-    def close(self) -> None:
-        self.conn.close()
+    @classmethod
+    def on_server_stop(cls) -> None:
+        workers.shared_pool().close()

@@ -38,6 +38,8 @@ MAX_STEPS = 200  # above every served game's own turn limit (Sudoku's 100), coun
 TEST_EVERY = 5  # seeds divisible by this form the test split of each game
 
 _BRACKETED = re.compile(r"\[[^\[\]]*\]")
+# No game's move has a number this long; TextArena's own int() raises on one past 4300 digits.
+_LONG_NUMBER = re.compile(r"\d{10}")
 
 INSTRUCTION = (
     "You are playing a single-player puzzle game from TextArena (for example Guess The Number, "
@@ -138,6 +140,10 @@ class TextArenaEnv(Environment):
                            if kind != ta.ObservationType.PLAYER_ACTION and text.strip())
 
     def step(self, action: str) -> StepResult:
+        if _LONG_NUMBER.search(action):
+            self._observation = "Invalid move: it has a number of 10 or more digits, and no game here takes one."
+            return self.result(self._observation, 0.0, False, invalid=True, game=self.game.name,
+                               textarena_reward=self._textarena_reward())
         state = self.engine.state
         turn = state.turn
         with self._own_random():

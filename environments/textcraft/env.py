@@ -34,9 +34,10 @@ MAX_DISTRACTORS = 10
 PROGRESS_REWARD = 1 / 64  # shaping per command of the plan done: the longest plan (48) earns < 1
 TEST_EVERY = 5  # task ids divisible by this form the test split
 
-_GET = re.compile(r"get (\d+) (.+)")
+# Counts have at most 9 digits: a longer one is no item count, and int() of one past 4300 digits raises.
+_GET = re.compile(r"get (\d{1,9}) (.+)")
 _CRAFT = re.compile(r"craft (?:\d+ )?(.+?) using (.+)")
-_COUNTED = re.compile(r"(\d+) (.+)")
+_COUNTED = re.compile(r"(\d{1,9}) (.+)")
 
 INSTRUCTION = (
     "You are crafting an item in Minecraft. At the start you see some crafting commands, written "

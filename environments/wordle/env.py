@@ -65,7 +65,7 @@ def _encoded_allowed() -> np.ndarray:
 
 def _to_word(action: str) -> str:
     """"S h i r e." -> "shire": lower-case letters only."""
-    return re.sub(r"[^a-z]", "", action.lower())
+    return re.sub(r"[^a-z]+", "", action.lower())
 
 
 def _spaced(word: str) -> str:
