@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.envs.launcher import LocalServers, ServerRefused
 from tests.servers import REPO
 
 LAUNCH = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/serve.py"]
@@ -60,7 +60,7 @@ def test_an_error_in_the_block_stops_the_servers():
 
 
 def test_unknown_environment_fails_with_the_servers_message():
-    with pytest.raises(RuntimeError, match=r"unknown environment 'mazee'.*maze"):
+    with pytest.raises(ServerRefused, match=r"^the mazee server did not start: unknown environment .mazee.; valid: .*maze"):
         LocalServers(["mazee"]).start()
 
 
