@@ -87,10 +87,11 @@ def learning_curve(records: Sequence[Mapping[str, float]], report: Mapping[str, 
     ax = fig.subplots()
     ax.plot(steps, [r["success_rate"] for r in records], label="train success (rollout episodes)")
     last = steps[-1] if steps else 1
-    for x, phase, label, marker in ((0, "before", "held-out, after SFT", "o"), (last, "after", "held-out, after RL", "s")):
+    for x, phase, label, marker in ((0, "before", "held-out after SFT", "o"), (last, "after", "held-out after RL", "s")):
         rate = report[f"success_{phase}"]
         low, high = report["wilson_95"][phase]
-        ax.errorbar([x], [rate], yerr=[[rate - low], [high - rate]], fmt=marker, capsize=4, label=label)
+        ax.errorbar([x], [rate], yerr=[[rate - low], [high - rate]], fmt=marker, capsize=4,
+                    label=f"{label}: {rate:.3f} (Wilson 95%)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("success rate")
     ax.set_ylim(0, 1.05)
