@@ -71,12 +71,17 @@ def print_report(record: Mapping[str, Any]) -> dict[str, float]:
     if record["resumed_from_step"] is not None:
         print(f"resumed at step {record['resumed_from_step']}: the last process took {record['process_minutes']:.1f} "
               f"of the run's {record['minutes']:.1f} minutes")
-    print(
-        f"summary: env={record['env']} heldout_tasks={tasks} success_before={record['success_before']:.3f} "
-        f"success_after={record['success_after']:.3f} minutes={record['minutes']:.1f}"
-        + (f" reward_shaping={shaping}" if shaping else "")
-    )
+    print(summary_line(record))
     return {key: record[key] for key in ("success_before", "success_after", "minutes")}
+
+
+def summary_line(record: Mapping[str, Any]) -> str:
+    """`summary: env=... heldout_tasks=... success_before=... success_after=... minutes=...`
+    (and `reward_shaping=...` where the run shaped its rewards)."""
+    shaping = record["reward_shaping"]
+    return (f"summary: env={record['env']} heldout_tasks={len(record['before']['task_success'])} "
+            f"success_before={record['success_before']:.3f} success_after={record['success_after']:.3f} "
+            f"minutes={record['minutes']:.1f}" + (f" reward_shaping={shaping}" if shaping else ""))
 
 
 def learning_curve(records: Sequence[Mapping[str, float]], report: Mapping[str, Any]) -> Figure:
