@@ -26,8 +26,9 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax.job import setup
-from agentgym_jax.parallel import distributed
-from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
+from agentgym_jax.parallel.distributed import (
+    broadcast_object, gather_objects, initialize_distributed, is_writer, process_share,
+)
 from agentgym_jax.rl.curriculum import from_config as task_curriculum
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
@@ -173,9 +174,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
 def _finished(config: ml_collections.ConfigDict) -> dict[str, float] | None:
     """The summary of a job that already ran to its end in `config.workdir` (its report printed
     again), else None. Every process follows process 0, which reads the report."""
-    distributed.initialize_distributed()  # before anything asks JAX how many processes there are
+    initialize_distributed()  # before anything asks JAX how many processes there are
     workdir = pathlib.Path(config.workdir)
-    record = distributed.broadcast_object(
+    record = broadcast_object(
         rl_report.finished_report(workdir, config.env.name, config.train.steps) if is_writer() else None)
     if record is None:
         return None
