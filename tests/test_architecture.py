@@ -1,6 +1,6 @@
 """The import rules of docs/architecture.md, checked on every import of every module (top-level
 and inside functions): packages import only the layers below them, servers and trainer share
-only the protocol module, and the repository ignores what a user's machine adds to a clone."""
+only the protocol package, and the repository ignores what a user's machine adds to a clone."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_utilities_import_nothing_above_parallel():
         assert parts <= UTILITY_LAYERS | {name}, (name, parts)
 
 
-def test_servers_and_trainer_share_only_the_protocol_module():
+def test_servers_and_trainer_share_only_the_protocol():
     server_side = sorted((REPO / "environments").rglob("*.py"))
     assert len(server_side) > 20
     for path in server_side:
