@@ -6,8 +6,8 @@ a file or a pipe (a log, a batch system, a notebook) it writes plain lines inste
 
     rl 3/24 steps | 21.4 s/step | 1:04 elapsed | success_rate=0.25 horizon=4
 
-at most one per `interval_s` seconds plus the phase's last one, so that a log says where the
-job is without carriage-return clutter. Only process 0 of a multi-process job shows anything;
+one as the phase starts, then at most one per `interval_s` seconds, and its last one, so that a
+log says where the job is without carriage-return clutter. Only process 0 of a multi-process job shows anything;
 `enabled=False` shows nothing (library calls, tests).
 """
 
@@ -40,8 +40,8 @@ class Progress:
     """`update(n, **values)` as items finish (`values`: the latest metrics to show beside the
     count); `close()` at the end, or use it as a context manager.
 
-    `unit` is singular ("step", "episode", "batch"); `initial` counts items done before this process
-    (a resumed run); `interval_s` spaces the plain lines (0: one line per update).
+    `unit` is singular ("step", "episode", "batch"); `initial` counts items done before this
+    process (a resumed run); `interval_s` spaces the plain lines (0: one line per update).
     """
 
     def __init__(
@@ -95,9 +95,8 @@ class Progress:
         """`extra` more items to do than announced (retries)."""
         self.total += extra
 
-    def line(self, now: float | None = None) -> str:
+    def _line(self, now: float) -> str:
         """The plain line for the current count: `<desc> <n>/<total> <unit> | <s>/<item> | <elapsed> | k=v ...`."""
-        now = time.monotonic() if now is None else now
         parts = [f"{self.desc} {self.n}/{self.total} {_plural(self.unit)}"]
         if self.n > self._last_n:  # the rate since the last line: recent, not averaged over the phase
             parts.append(f"{(now - self._last_time) / (self.n - self._last_n):.3g} s/{self.unit}")
@@ -107,7 +106,7 @@ class Progress:
         return " | ".join(parts)
 
     def _print(self, now: float) -> None:
-        print(self.line(now), file=self._stream, flush=True)
+        print(self._line(now), file=self._stream, flush=True)
         self._last_time, self._last_n = now, self.n
 
     def close(self) -> None:
