@@ -13,6 +13,7 @@ log says where the job is without carriage-return clutter. Only process 0 of a m
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -20,6 +21,17 @@ from typing import Any, TextIO
 import tqdm
 
 from agentgym_jax.parallel.distributed import is_writer
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    """A terminal a bar can be drawn on (a pseudo-terminal without a width, as some CI runners
+    open, gets lines: tqdm would draw nothing there)."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError):  # no file descriptor behind it: trust isatty
+        return True
 
 
 def _plural(unit: str) -> str:
@@ -63,7 +75,7 @@ class Progress:
         self._stream = stream or sys.stderr
         self._enabled = enabled
         self._bar = None
-        if enabled and self._stream.isatty():
+        if enabled and _is_terminal(self._stream):
             self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit,
                                   file=self._stream, dynamic_ncols=True)
         self._start = self._last_time = time.monotonic()

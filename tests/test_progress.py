@@ -4,6 +4,7 @@ nothing when off; and the RL job's learning curve as the figure that draws it.""
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -56,6 +57,20 @@ def test_a_terminal_gets_a_bar_and_a_disabled_progress_writes_nothing():
     with Progress("eval", 4, "episode", enabled=False, stream=quiet) as progress:
         progress.set(4)
     assert quiet.getvalue() == ""
+
+
+def test_a_terminal_without_a_width_gets_lines():
+    """A pseudo-terminal opened without a size (some CI runners): tqdm would draw nothing there."""
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w") as stream:
+            assert stream.isatty()
+            with Progress("eval", 2, "episode", enabled=True, stream=stream) as progress:
+                progress.set(2)
+        out = os.read(master, 4096).decode()
+    finally:
+        os.close(master)
+    assert "eval 2/2 episodes | " in out
 
 
 def _report(before: float, after: float, tasks: int = 64) -> dict:
