@@ -18,24 +18,32 @@ STEPS = 2
 UNWANTED = ("os.fork()", "_CHECKPOINT_METADATA", "PyTorch was not found", "Traceback")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A 2-step RL job (stderr is a pipe, so progress comes as plain lines); its workdir and output."""
-    workdir = tmp_path_factory.mktemp("rl")
+def _tiny_run(workdir) -> tuple[dict, object]:
+    """A 2-step RL job (stderr is a pipe, so progress comes as plain lines): its overrides and output."""
     overrides = {**TINY_RL_JOB, "workdir": workdir, "train.steps": STEPS, "train.checkpoint_every": STEPS,
                  "horizon.steps_per_stage": 1}
     done = launch("configs/quickstart.py", overrides, timeout=600, without_torch=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return workdir, overrides, done
+    return overrides, done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # three launches, each with its own time-out
+def test_a_tiny_job_as_its_user_sees_it(tmp_path):
+    """One job (its launches are the cost), three checks: the progress of every phase, a re-run of
+    the finished job, and no warning in its output or in an evaluation of its checkpoint."""
+    workdir = tmp_path / "rl"
+    overrides, done = _tiny_run(workdir)
+    _check_every_phase_shows_its_progress_as_plain_lines(done)
+    _check_a_finished_job_run_again_prints_its_report_and_changes_nothing(workdir, overrides, done)
+    _check_outputs_hold_no_warning_about_how_the_job_started(workdir, done, tmp_path / "eval")
 
 
 def _progress_lines(stderr: str, phase: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith(f"{phase} ")]
 
 
-@pytest.mark.slow
-def test_every_phase_shows_its_progress_as_plain_lines(tiny_run):
-    _, _, done = tiny_run
+def _check_every_phase_shows_its_progress_as_plain_lines(done) -> None:
     assert "\r" not in done.stderr  # no bar redrawn in a log
     counts = {  # phase -> the count its last line shows
         "demonstrations": "4/4 episodes", "sft": "2/2 batches", "eval before RL": "2/2 episodes",
@@ -58,9 +66,7 @@ def test_every_phase_shows_its_progress_as_plain_lines(tiny_run):
     assert order == sorted(order)  # the phases in the order the job runs them
 
 
-@pytest.mark.slow
-def test_a_finished_job_run_again_prints_its_report_and_changes_nothing(tiny_run):
-    workdir, overrides, first = tiny_run
+def _check_a_finished_job_run_again_prints_its_report_and_changes_nothing(workdir, overrides, first) -> None:
     report = (workdir / "report.json").read_text()
     events = sorted(glob.glob(str(workdir / "tensorboard" / "events.*")))
     again = launch("configs/quickstart.py", overrides, timeout=300, without_torch=True)
@@ -75,12 +81,10 @@ def test_a_finished_job_run_again_prints_its_report_and_changes_nothing(tiny_run
     assert float(summary[5]) == pytest.approx(record["minutes"], abs=0.05)
 
 
-@pytest.mark.slow
-def test_outputs_hold_no_warning_about_how_the_job_started(tiny_run, tmp_path):
+def _check_outputs_hold_no_warning_about_how_the_job_started(workdir, rl, out_dir) -> None:
     """The RL job, and an evaluation of its checkpoint (whose servers start after JAX has)."""
-    workdir, _, rl = tiny_run
     done = launch("configs/eval.py", {"envs": "room", "policy": f"checkpoint:{workdir}", "task_ids": 2, "horizon": 2,
-                                      "out_dir": tmp_path / "eval"}, timeout=300, without_torch=True)
+                                      "out_dir": out_dir}, timeout=300, without_torch=True)
     assert done.returncode == 0, done.stderr[-3000:]
     for output in (rl.stderr, done.stderr):
         assert not [w for w in UNWANTED if w in output], output[-3000:]
