@@ -22,6 +22,7 @@ LAYERS = {
     "job": {"rollout", "sampling", "models", "parallel", "envs"},
     "train": {"job", "rl", "rollout", "sampling", "models", "parallel", "envs"},
     "eval": {"job", "rollout", "sampling", "models", "parallel", "envs"},
+    "view": {"rollout", "sampling", "models", "parallel", "envs"},
 }
 UTILITIES = {"config", "aio", "stats", "progress"}  # modules any package may import
 UTILITY_LAYERS = {"parallel"}  # what the utilities themselves may import
@@ -62,6 +63,12 @@ def test_a_package_imports_only_the_layers_below_it(package):
         if parts - allowed
     }
     assert not wrong, f"imports that go up or sideways (docs/architecture.md): {wrong}"
+
+
+def test_every_package_has_its_place_in_the_layers():
+    packages = {path.parent.name for path in (REPO / "agentgym_jax").glob("*/__init__.py")}
+    modules = {path.stem for path in (REPO / "agentgym_jax").glob("*.py")} - {"__init__", "launch"}
+    assert packages == set(LAYERS) and modules == UTILITIES, "place it in LAYERS and in docs/architecture.md"
 
 
 def test_utilities_import_nothing_above_parallel():
