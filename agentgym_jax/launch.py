@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging as py_logging
+import os
 import pathlib
 import sys
 
@@ -67,6 +68,10 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
+    # transformers advises at import, when PyTorch is not installed, that its models are
+    # unavailable; jobs use only its tokenizers. This documented switch turns its advisory
+    # warnings off (that one alone in transformers 5), before any config or mode imports it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         _precheck(sys.argv[1:])
     except ConfigError as e:

@@ -29,13 +29,43 @@ def with_compile_cache(env: dict[str, str], cache: pathlib.Path) -> dict[str, st
     return {**env, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
+# The smallest RL job the code path allows: a 2-layer, hidden-32 policy, 4 demonstrations, 2 tasks
+# x 2 samples a step, 2 held-out tasks; add `workdir`, `train.*` and `horizon.steps_per_stage`.
+TINY_RL_JOB = {
+    "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
+    "eval.num_tasks": 2, "eval.horizon": 2,
+    "rollout.batch_tasks": 2, "rollout.group_size": 2, "rollout.lock_step": True,
+    "algo.num_minibatches": 1,  # the 4 rows, padded to 8, are one row per device of 8 simulated ones
+    "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
+    "horizon.rounds": "(1,2)",
+    "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
+    "tokenizer.vocab_size": 320,
+}
+
+# Runs the launcher as a machine without PyTorch would (transformers looks for it with find_spec,
+# which answers None for a module set to None in sys.modules).
+_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; "
+                  "runpy.run_module('agentgym_jax.launch', run_name='__main__', alter_sys=True)")
+
+
+def launch_command(config_file: str, overrides: dict, without_torch: bool = False) -> list[str]:
+    """`python -m agentgym_jax.launch --config=<config_file> --config.<k>=<v> ...`."""
+    start = [sys.executable, "-c", _WITHOUT_TORCH] if without_torch else [sys.executable, "-m", "agentgym_jax.launch"]
+    return start + [f"--config={config_file}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def launch(config_file: str, overrides: dict, timeout: float = 1400, without_torch: bool = False,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The launcher on one CPU device (no simulated devices, as a user runs it), its output
+    captured (stderr is not a terminal: progress comes as plain lines)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TRANSFORMERS_NO_ADVISORY_WARNINGS")}
+    return subprocess.run(launch_command(config_file, overrides, without_torch), cwd=REPO, env={**env, **(extra_env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_rl_job(config_file: str, overrides: dict, timeout: float = 1400) -> Summary:
-    """`python -m agentgym_jax.launch --config=<config_file> --config.<k>=<v> ...` on one CPU device
-    (no simulated devices, as a user runs it); its summary line, after checking it ended well."""
-    command = [sys.executable, "-m", "agentgym_jax.launch", f"--config={config_file}"]
-    command += [f"--config.{k}={v}" for k, v in overrides.items()]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`launch` an RL job; its summary line, after checking it ended well."""
+    done = launch(config_file, overrides, timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
     assert summary, done.stdout[-2000:]

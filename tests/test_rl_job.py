@@ -7,7 +7,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from agentgym_jax.rl.horizon import stepwise
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.jobs import task_batch
 from environments.room.env import RoomEnv
+from tests.rl_runs import TINY_RL_JOB, launch_command
 from tests.test_metrics import _tensorboard_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -29,22 +29,11 @@ SEPARATE_CRITIC = {"algo.advantage": "gae", "algo.critic": "separate", "algo.lam
 
 def _command(workdir: pathlib.Path, algo: dict) -> list[str]:
     """A tiny job: every number is as small as the path through the code allows."""
-    overrides = dict(
-        workdir=workdir, seed=3, **algo, **{
-            "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10,
-            "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
-            "eval.num_tasks": 2, "eval.horizon": 2,
-            "rollout.batch_tasks": 2, "rollout.group_size": 2, "rollout.lock_step": True,
-            "algo.num_minibatches": 1,  # the 4 rows, padded to 8, are one row per device of the 8-device mesh
-            "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
-            "horizon.rounds": "(1,2)", "horizon.steps_per_stage": 2,
-            "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
-            "tokenizer.vocab_size": 320,
-        },
-    )
-    return [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py"] + [
-        f"--config.{k}={v}" for k, v in overrides.items()
-    ]
+    overrides = {
+        **TINY_RL_JOB, "workdir": workdir, "seed": 3, **algo,
+        "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10, "horizon.steps_per_stage": 2,
+    }
+    return launch_command("configs/quickstart.py", overrides)
 
 
 # Each launch compiles for itself: with a persistent compilation cache, the restart's cached
@@ -97,6 +86,10 @@ def test_sigkilled_run_resumes_exactly(tmp_path, algo):
 
     resumed = _run(resumed_dir, algo)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((resumed_dir / "report.json").read_text())  # the run's time, and the last process's apart
+    assert report["resumed_from_step"] == 2 and report["process_minutes"] < report["minutes"]
+    assert f"minutes={report['minutes']:.1f}" in resumed.stdout.strip().splitlines()[-1]
+    assert json.loads((tmp_path / "straight" / "report.json").read_text())["resumed_from_step"] is None
 
     a = _per_step(read_metrics(str(tmp_path / "straight" / "metrics.jsonl")))
     b = _per_step(read_metrics(str(resumed_dir / "metrics.jsonl")))

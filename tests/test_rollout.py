@@ -248,14 +248,17 @@ def test_a_bounded_pool_plays_in_waves_with_the_same_trajectories(framing, model
     """A pool that holds at most 3 live sessions plays 2 tasks x 2 episodes in waves (3, then 1:
     every episode of a wave is reset before any is stepped) and gives token for token the
     trajectories of an unbounded pool under the same key; it never holds more than 3 sessions,
-    and a run closes its sessions at its end."""
+    and a run closes its sessions at its end. Its progress counts finished episodes: 0 before the
+    first sampler call, the first wave's 3 before the second starts, all 4 at the end."""
     config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
-    runs, clients = {}, {}
+    runs, clients, finished = {}, {}, []
     for bound in (0, 3):
         pool, clients[bound] = counting_pool(maze_url, max_sessions=bound)
         with RolloutEngine(sampler, framing, pool, task_info, config) as engine:
-            runs[bound] = engine.run(model[1], [2, 5], 4, jax.random.key(3), policy_version=0)
+            runs[bound] = engine.run(model[1], [2, 5], 4, jax.random.key(3), policy_version=0,
+                                     on_progress=finished.append if bound else None)
             assert clients[bound][0].open_sessions == 0  # closed by the run, not only by the pool's close
+    assert finished[0] == 0 and finished[-1] == 4 and 3 in finished and finished == sorted(finished)
     assert clients[0][0].max_open_sessions == 4 and clients[3][0].max_open_sessions == 3
     assert clients[3][0].calls["/create"] == 3 and clients[3][0].calls["/reset"] == 4  # wave 2 reuses wave 1's
     for a, b in zip(runs[0], runs[3], strict=True):

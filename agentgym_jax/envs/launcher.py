@@ -5,7 +5,12 @@ environment on a free port of 127.0.0.1, waits until each answers `/health`, and
 exit. The children never outlive the launcher: the context manager and `atexit` stop them on
 errors and Ctrl-C, and on Linux `prctl(PR_SET_PDEATHSIG)` kills them even when the launcher is
 SIGKILLed (the signal fires when the thread that started them ends, so start them from a thread
-that lives as long as you need them).
+that lives as long as you need them). The server sets that itself (`--parent_pid`): a child is
+started without running Python between fork and exec, which is safe after JAX has started its
+threads (an eval job starts its servers after it has asked JAX for its processes).
+
+A server that refuses to start (an unknown environment, a missing package) says why in one line;
+that line is the `ServerRefused` error, a `ConfigError` that the launcher prints as one line.
 
     python -m agentgym_jax.launch --config=configs/serve.py --config.envs=maze,wordle
 """
@@ -15,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import ctypes
-import ctypes.util
 import dataclasses
 import os
 import pathlib
@@ -33,20 +36,16 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax.aio import run_sync
+from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import EnvPool, Episode
 from agentgym_jax.envs.protocol import EpisodeStatus
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
-_PR_SET_PDEATHSIG = 1
 _OUTPUT_LINES_KEPT = 50
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child before exec: ask Linux to SIGKILL it when the parent dies."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+class ServerRefused(ConfigError):
+    """A server that exited at start-up with its own one-line reason (`error: ...`)."""
 
 
 @dataclasses.dataclass
@@ -58,9 +57,15 @@ class ServerProcess:
     url: str = ""
     output: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_OUTPUT_LINES_KEPT))
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    drained: threading.Event = dataclasses.field(default_factory=threading.Event)  # its output has ended
 
     def describe_exit(self) -> str:
         return f"{self.env} server exited with code {self.process.returncode}:\n" + "".join(self.output)
+
+    def refusal(self) -> str | None:
+        """The server's own reason for not starting: its last line, when it is `error: <reason>`."""
+        last = "".join(self.output).strip().splitlines()[-1:]
+        return last[0].removeprefix("error: ") if last and last[0].startswith("error: ") else None
 
 
 class LocalServers:
@@ -138,7 +143,7 @@ class LocalServers:
     def _spawn(self, env: str, port: int) -> ServerProcess:
         cmd = [
             sys.executable, "-m", "environments.serve", f"--env={env}", f"--host={self.host}",
-            f"--port={port}", f"--idle_timeout_s={self.idle_timeout_s}",
+            f"--port={port}", f"--idle_timeout_s={self.idle_timeout_s}", f"--parent_pid={os.getpid()}",
         ]
         if self.max_sessions is not None:
             cmd.append(f"--max_sessions={self.max_sessions}")
@@ -146,13 +151,9 @@ class LocalServers:
             cmd.append(f"--auth_token={self.auth_token}")
         env_vars = dict(os.environ)
         env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env_vars.get("PYTHONPATH")]))
-        preexec = None
-        if sys.platform.startswith("linux"):
-            parent = os.getpid()
-            preexec = lambda: _die_with_parent(parent)  # noqa: E731
-        process = subprocess.Popen(
+        process = subprocess.Popen(  # no preexec_fn: nothing but exec runs in the forked child
             cmd, cwd=_REPO, env=env_vars, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, preexec_fn=preexec,
+            stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
         )
         server = ServerProcess(env, process)
@@ -171,6 +172,7 @@ class LocalServers:
             elif server.url:
                 logging.info("[%s server] %s", server.env, line.rstrip())
         server.ready.set()
+        server.drained.set()
 
     def _wait_ready(self, server: ServerProcess, deadline: float) -> None:
         server.ready.wait(max(deadline - time.monotonic(), 0.0))
@@ -179,6 +181,9 @@ class LocalServers:
                 return
             time.sleep(0.05)
         if server.process.poll() is not None:
+            server.drained.wait(5.0)  # its last lines, the reason among them
+            if (reason := server.refusal()) is not None:
+                raise ServerRefused(f"the {server.env} server did not start: {reason}")
             raise RuntimeError(f"{server.env} server failed to start: {server.describe_exit()}")
         raise TimeoutError(f"{server.env} server not healthy after {self.startup_timeout_s} s:\n" + "".join(server.output))
 

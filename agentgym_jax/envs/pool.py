@@ -3,7 +3,7 @@
 A *slot* is one place in the rollout batch; it plays one episode at a time, on a server session
 it holds while the episode runs. Slots are spread over the server URLs (`slot % len(urls)`). Calls never raise for
 environment failures: every result carries the episode's end status when the episode ended
-(DESIGN rule 5), so one dead server ends its own episodes with `infra_error` and the rest go on.
+(architecture rule 5), so one dead server ends its own episodes with `infra_error` and the rest go on.
 
 - `infra_error`: the server stayed unreachable through `max_retries` retries with exponential
   backoff, or answered with an HTTP error (4xx are never retried).

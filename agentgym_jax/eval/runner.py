@@ -116,8 +116,14 @@ def run(config: ml_collections.ConfigDict) -> EvalSummary:
         return summary
     logging.info("evaluation report in %s", out_dir)
     print(markdown_table(summary))
+    print(summary_line(summary, list(infos), out_dir))
+    return summary
+
+
+def summary_line(summary: EvalSummary, envs: Sequence[str], out_dir: pathlib.Path) -> str:
+    """The run's last line: `summary: envs=... scheduled=... success=... conditional_success=...
+    infra_rate=... out_dir=...` (overall numbers; conditional success n/a when nothing was scored)."""
     o = summary.overall
     conditional = "n/a" if o.conditional_success.value is None else f"{o.conditional_success.value:.3f}"
-    print(f"summary: envs={','.join(infos)} scheduled={o.scheduled} success={o.success.value:.3f} "
-          f"conditional_success={conditional} infra_rate={o.infra_rate.value:.3f} out_dir={out_dir}")
-    return summary
+    return (f"summary: envs={','.join(envs)} scheduled={o.scheduled} success={o.success.value:.3f} "
+            f"conditional_success={conditional} infra_rate={o.infra_rate.value:.3f} out_dir={out_dir}")

@@ -71,11 +71,18 @@ class Checkpointer:
         step = self.latest_step if step is None else step
         if step not in self.all_steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {self._manager.directory}; steps: {self.all_steps}")
-        path = os.path.join(self._manager.directory, str(step), "state")
-        checkpointer = ocp.PyTreeCheckpointer()
-        tree = checkpointer.metadata(path).item_metadata.tree
-        to_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=to_numpy))
+        # A reader that knows both items' formats, so it reads the step as the manager wrote it
+        # (step metadata included) and can restore the state without a target.
+        reader = ocp.CheckpointManager(
+            self._manager.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(create=False),
+        )
+        try:
+            tree = reader.item_metadata(step)["state"].tree
+            to_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            return reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=to_numpy)))["state"]
+        finally:
+            reader.close()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

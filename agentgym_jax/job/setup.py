@@ -6,7 +6,7 @@ one trained on environment text), the policy (a Hugging Face folder, a checkpoin
 small model) in its shardings, the rollout engines and the update config. A mode's file is then
 its loop.
 
-Multi-host (DESIGN rule 12): every process runs the same code. Each one owns a contiguous share
+Multi-host (architecture rule 12): every process runs the same code. Each one owns a contiguous share
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
 samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its

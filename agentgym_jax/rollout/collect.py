@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
-from tqdm import tqdm
 
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.demonstrations import ACTION_ONLY, play_demonstrations
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
@@ -41,10 +41,12 @@ Slot = tuple[int, int, int]  # (task_id, sample_idx, attempt)
 
 
 class Policy(Protocol):
-    """Plays one batch of episodes on an open pool; one trajectory per task id, in order."""
+    """Plays one batch of episodes on an open pool; one trajectory per task id, in order
+    (`on_progress(finished)`, where the policy can tell, as the batch's episodes finish)."""
 
     async def play(
-        self, pool: EnvPool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array
+        self, pool: EnvPool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[Trajectory]: ...
 
 
@@ -55,8 +57,8 @@ class OraclePolicy:
     framing: ChatFraming
     action_format: str = ACTION_ONLY
 
-    async def play(self, pool, info, task_ids, horizon, rng):
-        del rng  # the oracle is deterministic
+    async def play(self, pool, info, task_ids, horizon, rng, on_progress=None):
+        del rng, on_progress  # the oracle is deterministic, and fast
         return await play_demonstrations(
             pool, self.framing, info, task_ids, horizon=horizon, action_format=self.action_format
         )
@@ -72,9 +74,10 @@ class ModelPolicy:
     rollout: RolloutConfig
     policy_version: int = -1
 
-    async def play(self, pool, info, task_ids, horizon, rng):
+    async def play(self, pool, info, task_ids, horizon, rng, on_progress=None):
         engine = RolloutEngine(self.sampler, self.framing, pool, info, dataclasses.replace(self.rollout, group_size=1))
-        return await engine.run_async(self.params, task_ids, horizon, rng, policy_version=self.policy_version)
+        return await engine.run_async(self.params, task_ids, horizon, rng, policy_version=self.policy_version,
+                                      on_progress=on_progress)
 
 
 def resume_jsonl(path: str | os.PathLike) -> list[Trajectory]:
@@ -130,12 +133,14 @@ async def collect(
         for t in done.values()
         if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts
     ]
-    bar = tqdm(total=len(todo), desc=f"{info.env}", unit="episode", disable=not progress)
+    bar = Progress(info.env, len(todo), "episode", enabled=progress)
     while todo:
         batch, todo = todo[:batch_episodes], todo[batch_episodes:]
         task, sample, attempt = batch[0]
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), task), sample), attempt)
-        played = await policy.play(pool, info, [task for task, _, _ in batch], horizon, rng)
+        done = bar.n
+        played = await policy.play(pool, info, [task for task, _, _ in batch], horizon, rng,
+                                   on_progress=lambda finished: bar.set(done + finished))
         new = [
             dataclasses.replace(t, group_id=task, sample_idx=sample, attempt=attempt)
             for t, (task, sample, attempt) in zip(played, batch, strict=True)
@@ -145,7 +150,7 @@ async def collect(
         retries = [(t.task_id, t.sample_idx, t.attempt + 1) for t in new
                    if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts]
         todo += retries
-        bar.total += len(retries)
-        bar.update(len(batch))
+        bar.add_total(len(retries))
+        bar.set(done + len(batch))
     bar.close()
     return records

@@ -218,20 +218,24 @@ class RolloutEngine:
         *,
         policy_version: int,
         group_offset: int = 0,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[Trajectory]:
         """Plays `task_ids` x `group_size` episodes of at most `horizon` turns each.
 
         Returns one trajectory per slot, in slot order (task-major): group id
         `group_offset + task index`, `sample_idx` the index within the group.
+        `on_progress(finished)`, if given, hears how many episodes have finished, before every
+        sampler call and at the end (on the engine's event-loop thread): a progress bar's count.
         """
         if self._loop is None:
             self._loop = LoopThread("rollout-engine")
         if not self._pool_opened:
             self._loop.run(self.pool.__aenter__())
             self._pool_opened = True
-        return self._loop.run(
-            self.run_async(params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset)
-        )
+        return self._loop.run(self.run_async(
+            params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset,
+            on_progress=on_progress,
+        ))
 
     async def run_async(
         self,
@@ -242,6 +246,7 @@ class RolloutEngine:
         *,
         policy_version: int,
         group_offset: int = 0,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[Trajectory]:
         """`run` for callers inside an event loop, with the pool already open in it."""
         if horizon < 1:
@@ -262,9 +267,12 @@ class RolloutEngine:
             _Episode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j)
             for k, (i, task, j) in enumerate(samples)
         ]
+        if on_progress is not None:
+            rollout.on_progress = lambda: on_progress(sum(ep.status is not None for ep in episodes))
         try:
             for start in range(0, len(episodes), wave):
                 await rollout.play(episodes[start : start + wave])
+                rollout.on_progress()
         finally:  # the servers' room goes back to them: another engine's pool may need it
             await self.pool.close_sessions()
         rollout.episodes = episodes
@@ -333,6 +341,7 @@ class _Rollout:
         self.busy_s = self.wait_s = 0.0
         self.calls = self.turns = self.cache_slots = 0
         self.work_at_start = dataclasses.replace(self.sampler.work)
+        self.on_progress: Callable[[], None] = lambda: None  # `run`'s `on_progress`, given the count
 
     def stats(self) -> RolloutStats:
         work = self.sampler.work.minus(self.work_at_start)
@@ -393,6 +402,7 @@ class _Rollout:
 
     async def _in_sampler(self, call, rows: Sequence[int]):
         """Runs a sampler call in a worker thread (the event loop keeps serving environments)."""
+        self.on_progress()  # the episodes that ended since the last call
         start = time.monotonic()
         out = await asyncio.to_thread(call)
         elapsed = time.monotonic() - start

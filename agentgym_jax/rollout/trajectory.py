@@ -1,6 +1,6 @@
 """The trajectory record: one episode as the exact token ids the policy saw and produced.
 
-Token in, token out (DESIGN rule 3): `token_ids` is the prompt, then per turn the ids the sampler
+Token in, token out (architecture rule 3): `token_ids` is the prompt, then per turn the ids the sampler
 produced followed by the ids appended for the environment's answer. `loss_mask` is 1 exactly on
 sampled ids (including the end-of-turn id the policy sampled). `text` is a decoding kept for
 reading only; nothing is ever re-tokenized from it.

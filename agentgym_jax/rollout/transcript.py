@@ -148,6 +148,6 @@ class Transcript:
 def empty_trajectory(task_id: int, env: str, group_id: int, status: EpisodeStatus, **fields: Any) -> Trajectory:
     """The record of an episode that never got a prompt (its reset failed): no tokens, reward 0.
 
-    Kept so that infrastructure errors stay in the end-to-end denominator (DESIGN rule 5).
+    Kept so that infrastructure errors stay in the end-to-end denominator (architecture rule 5).
     """
     return Trajectory(task_id, env, group_id, [], [], [], [], [], 0.0, status, **fields)

@@ -138,7 +138,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
                 epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
                 length_window=config.sft.length_window, progress=is_writer(),
             )
-            result = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed)
+            result = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed,
+                              desc=f"eval iteration {it}")
             record = {
                 "iteration": it, "explored_episodes": len(trajectories), "kept": len(explored),
                 "train_trajectories": len(data), "sft_final_nll": history[-1]["nll"], "eval": result,

@@ -162,7 +162,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         seq_len = bucket(max(len(t.token_ids) for pair in pairs for t in pair))  # one shape: one compilation
         shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
         rows = -(-config.train.batch_size // shards) * shards  # empty rows, so rows divide over the mesh
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer())
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer(),
+                               desc="dpo")
         metrics: dict[str, float] = {}
         for step in range(start, config.train.steps):
             picked = [pairs[i] for i in task_batch(range(len(pairs)), step, config.train.batch_size, config.seed)]

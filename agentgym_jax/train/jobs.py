@@ -4,6 +4,7 @@ share of the tasks and the metrics count every process's episodes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -13,12 +14,13 @@ import numpy as np
 
 from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
-from agentgym_jax.envs.pool import Episode
+from agentgym_jax.envs.pool import EnvPool, Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.job import setup
 from agentgym_jax.models import decoder
 from agentgym_jax.models.config import ModelConfig, load_config
 from agentgym_jax.parallel.distributed import gather_objects, process_share
+from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
@@ -73,15 +75,18 @@ def rollout_metrics(trajectories: Sequence[Trajectory], all_processes: bool = Fa
     return metrics
 
 
-def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int) -> dict:
+def evaluate(engine: RolloutEngine, params, task_ids: Sequence[int], horizon: int, seed: int, desc: str = "eval") -> dict:
     """Greedy (or configured) episodes on `task_ids`, each process its share (`params` on its
-    sampler's devices); success counts every scheduled episode of every process.
+    sampler's devices); success counts every scheduled episode of every process. Process 0 shows
+    its episodes' progress as `desc`.
 
     Besides the rates, `task_success` lists `[task_id, 0 or 1]` per task, so two runs on the same
     tasks can be compared task by task (`eval/compare.py`).
     """
     share, _ = process_share(task_ids, "eval tasks", even=False)
-    trajectories = engine.run(params, share, horizon, jax.random.PRNGKey(seed), policy_version=-1) if share else []
+    with Progress(desc, len(share) * engine.config.group_size, "episode") as progress:
+        trajectories = engine.run(params, share, horizon, jax.random.PRNGKey(seed), policy_version=-1,
+                                  on_progress=progress.set) if share else []
     outcomes = gather_objects([[t.task_id, int(t.success)] for t in trajectories])
     return {**rollout_metrics(trajectories, all_processes=True), "task_success": sorted(x for o in outcomes for x in o)}
 
@@ -110,10 +115,16 @@ def play_oracle(config: ml_collections.ConfigDict, urls: Sequence[str], info: Ta
     if not task_ids:
         return []
 
+    async def play_one(pool: EnvPool, task_id: int, progress: Progress) -> Episode:
+        [episode] = await play_oracle_episodes(pool, [task_id], horizon=config.sft.max_turns,
+                                               action_format=config.rollout.action_format, oracle=config.sft.oracle)
+        progress.update()
+        return episode
+
     async def play() -> list[Episode]:
         async with setup.make_pool(config.env, urls) as pool:
-            return await play_oracle_episodes(pool, task_ids, horizon=config.sft.max_turns,
-                                              action_format=config.rollout.action_format, oracle=config.sft.oracle)
+            with Progress("demonstrations", len(task_ids), "episode") as progress:
+                return list(await asyncio.gather(*(play_one(pool, t, progress) for t in task_ids)))
 
     episodes = run_sync(play())
     failed = [ep for ep in episodes if ep.status is EpisodeStatus.INFRA_ERROR]

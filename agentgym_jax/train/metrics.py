@@ -1,4 +1,5 @@
-"""Per-step metrics to three places: a console progress bar, a JSONL file and TensorBoard events.
+"""Per-step metrics to three places: the console (a bar, or a line per step in a log), a JSONL
+file and TensorBoard events.
 
 The JSONL file is the record of truth (append-only, one line per step, fsynced), so a killed run
 keeps every metric it logged; TensorBoard is for looking at curves. A resumed run
@@ -16,10 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import tqdm
 from tensorboardX import SummaryWriter
 
-_CONSOLE_KEYS = ("loss", "success_rate", "mean_reward", "kl", "horizon")
+from agentgym_jax.progress import Progress
+
+# What the console shows beside the step count (those a step's metrics have), in this order.
+CONSOLE_KEYS = ("success_rate", "horizon", "loss", "nll", "kl", "mean_reward", "accuracy")
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -35,10 +38,17 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 class MetricsLogger:
     """`log(step, metrics)` once per step; `close()` at the end. With `write=False` (every
-    process but the first of a multi-process job) it only returns the scalars."""
+    process but the first of a multi-process job) it only returns the scalars.
 
-    def __init__(self, logdir: str, total_steps: int, start_step: int = 0, console: bool = True, write: bool = True):
+    The console shows one line (a bar on a terminal) per step with `desc`, the step's seconds
+    and the `CONSOLE_KEYS` it has (`agentgym_jax/progress.py`). The TensorBoard events file
+    opens with the first step logged: a resumed run with no step left to take adds none.
+    """
+
+    def __init__(self, logdir: str, total_steps: int, start_step: int = 0, console: bool = True, write: bool = True,
+                 desc: str = "train"):
         self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+        self._logdir, self._start_step = logdir, start_step
         self._write = write
         if not write:
             return
@@ -46,13 +56,16 @@ class MetricsLogger:
         if start_step > 0:
             truncate_metrics(self.jsonl_path, start_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(  # files are named by the second they open in: the suffix keeps a resume's apart
-            os.path.join(logdir, "tensorboard"), purge_step=start_step + 1 if start_step else None,
-            filename_suffix=f".{os.getpid()}.{start_step}",
-        )
-        self._bar = tqdm.tqdm(
-            total=total_steps, initial=start_step, desc="train", disable=not console, dynamic_ncols=True
-        )
+        self._tb: SummaryWriter | None = None
+        self._progress = Progress(desc, total_steps, "step", initial=start_step, enabled=console, interval_s=0)
+
+    def _tensorboard(self) -> SummaryWriter:
+        if self._tb is None:  # files are named by the second they open in: the suffix keeps a resume's apart
+            self._tb = SummaryWriter(
+                os.path.join(self._logdir, "tensorboard"), purge_step=self._start_step + 1 if self._start_step else None,
+                filename_suffix=f".{os.getpid()}.{self._start_step}",
+            )
+        return self._tb
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         scalars = to_scalars(metrics)
@@ -61,19 +74,20 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self._jsonl.flush()
         os.fsync(self._jsonl.fileno())
+        tb = self._tensorboard()
         for key, value in scalars.items():
             if math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
-        self._tb.flush()
-        self._bar.set_postfix({k: f"{scalars[k]:.4g}" for k in _CONSOLE_KEYS if k in scalars})
-        self._bar.update(step - self._bar.n)
+                tb.add_scalar(key, value, step)
+        tb.flush()
+        self._progress.set(step, **{k: scalars[k] for k in CONSOLE_KEYS if k in scalars})
         return scalars
 
     def close(self) -> None:
         if not self._write:
             return
-        self._bar.close()
-        self._tb.close()
+        self._progress.close()
+        if self._tb is not None:
+            self._tb.close()
         self._jsonl.close()
 
 

@@ -8,6 +8,8 @@ checkpoint, and cuts metrics.jsonl, TensorBoard and the trajectory files back to
 tasks (a seeded permutation of the training split, or of the part a difficulty curriculum
 admits: `rl/curriculum.py`), the horizon (`rl/horizon.py`) and the sampling key
 (`fold_in(seed, step)`), so the resumed steps are the steps the uninterrupted run would take.
+The report's `minutes` are the run's, over every process that ran it (`train/rl_report.py`);
+re-running a finished job prints its report again and changes nothing.
 
 Several processes (`job/setup.py`): each plays its share of the step's tasks on its own servers
 and devices, and the update runs on the global batch of every process's episodes.
@@ -16,7 +18,6 @@ and devices, and the update runs on the global batch of every process's episodes
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import time
 
@@ -25,17 +26,19 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
+from agentgym_jax.parallel.distributed import (
+    broadcast_object, gather_objects, initialize_distributed, is_writer, process_share,
+)
 from agentgym_jax.rl.curriculum import from_config as task_curriculum
 from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
-from agentgym_jax.stats import wilson_interval
 from agentgym_jax.train.jobs import (
     batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
     rollout_metrics, task_batch, update_config,
 )
-from agentgym_jax.train.metrics import MetricsLogger, read_metrics
+from agentgym_jax.train import rl_report
+from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
@@ -43,8 +46,12 @@ from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
+    process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
     schedule = horizon_schedule(config.horizon)
     curriculum = task_curriculum(config.curriculum)
+    finished = _finished(config)
+    if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
+        return finished
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
@@ -101,12 +108,17 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             ref_params = reference_params(state.params, updates.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
-            meta["eval_before"] = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed)
-            ckpt.save(0, (state, ref_params, *critic), meta, force=True)
+            meta["eval_before"] = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon,
+                                           config.seed, desc="eval before RL")
+            ckpt.save(0, (state, ref_params, *critic), {**meta, "minutes": process_minutes()}, force=True)
+        resumed_from = meta["rl_step"] if resuming else None
+        earlier_minutes = meta.get("minutes", 0.0) if resuming else 0.0  # the earlier processes' time to the checkpoint
+        run_minutes = lambda: earlier_minutes + process_minutes()  # noqa: E731
 
         trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
         truncate_jsonl(trajectories_path, before_version=meta["rl_step"])  # the steps after it are replayed
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer())
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer(),
+                               desc="rl")
         for step in range(meta["rl_step"], config.train.steps):
             horizon = schedule.horizon(step)
             pool = curriculum.pool(info.splits["train"], info.metadata, step)
@@ -139,57 +151,38 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             logger.log(step + 1, metrics)
             meta = {**meta, "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
                     "stage": schedule.stage(step + 1)}
-            ckpt.save(step + 1, (state, ref_params, *critic), meta, force=step + 1 == config.train.steps)
+            ckpt.save(step + 1, (state, ref_params, *critic), {**meta, "minutes": run_minutes()},
+                      force=step + 1 == config.train.steps)
         logger.close()
 
-        after = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed)
+        after = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed,
+                         desc="eval after RL")
         if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
     if not is_writer():
         return {"success_before": meta["eval_before"]["success_rate"], "success_after": after["success_rate"]}
-    return _report(config, workdir, info, test_ids, meta["eval_before"], after, start_time)
-
-
-def _report(config, workdir, info, test_ids, before, after, start_time) -> dict[str, float]:
-    """Prints the before/after table and the summary line; saves report.json and the curve."""
-    rows = ["success_rate", "mean_reward", "turns", "invalid_action_rate"]
-    shaping = config.env.reward_shaping  # rewards (mean_reward, RL's signal) include it; success never does
-    shaped = f", reward shaping: {shaping}" if shaping else ""
-    print(f"\n| metric ({len(test_ids)} held-out {info.env} tasks{shaped}) | after SFT | after RL |")
-    print("| --- | --- | --- |")
-    for key in rows:
-        print(f"| {key} | {before[key]:.3f} | {after[key]:.3f} |")
-    intervals = {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
-                 for name, result in (("before", before), ("after", after))}
-    print("| success, Wilson 95% | " + " | ".join(f"[{lo:.3f}, {hi:.3f}]" for lo, hi in intervals.values()) + " |")
-    _plot_learning_curve(workdir)
-    minutes = (time.time() - start_time) / 60
-    summary = {"success_before": before["success_rate"], "success_after": after["success_rate"], "minutes": minutes}
-    (workdir / "report.json").write_text(json.dumps({"before": before, "after": after, **summary, "wilson_95": intervals,
-                                                     "env": info.env, "seed": config.seed, "reward_shaping": shaping}, indent=2))
-    print(
-        f"summary: env={info.env} heldout_tasks={len(test_ids)} success_before={before['success_rate']:.3f} "
-        f"success_after={after['success_rate']:.3f} minutes={minutes:.1f}" + (f" reward_shaping={shaping}" if shaping else "")
+    this_process = process_minutes()
+    record = rl_report.build_report(
+        env=info.env, seed=config.seed, steps=config.train.steps, reward_shaping=config.env.reward_shaping,
+        before=meta["eval_before"], after=after, minutes=earlier_minutes + this_process, process_minutes=this_process,
+        resumed_from_step=resumed_from,
     )
-    return summary
+    rl_report.write_report(workdir, record)
+    return rl_report.print_report(record)
 
 
-def _plot_learning_curve(workdir: pathlib.Path) -> None:
-    import matplotlib
+def _finished(config: ml_collections.ConfigDict) -> dict[str, float] | None:
+    """The summary of a job that already ran to its end in `config.workdir` (its report printed
+    again), else None. Every process follows process 0, which reads the report."""
+    initialize_distributed()  # before anything asks JAX how many processes there are
+    workdir = pathlib.Path(config.workdir)
+    record = broadcast_object(
+        rl_report.finished_report(workdir, config.env.name, config.train.steps) if is_writer() else None)
+    if record is None:
+        return None
+    if is_writer():
+        print(f"{workdir} holds this job, finished ({record['steps']} steps in {record['minutes']:.1f} minutes); "
+              "its report, unchanged:")
+        return rl_report.print_report(record)
+    return {key: record[key] for key in ("success_before", "success_after", "minutes")}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(str(workdir / "metrics.jsonl"))
-    if not records:
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["success_rate"] for r in records], label="train success")
-    ax.plot([r["step"] for r in records], [r["horizon"] / max(r["horizon"] for r in records) for r in records],
-            "--", label="horizon (scaled)")
-    ax.set_xlabel("RL step")
-    ax.set_ylim(0, 1.05)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(workdir / "learning_curve.png", dpi=100)
-    plt.close(fig)

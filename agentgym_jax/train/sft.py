@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-import tqdm
 from jax.sharding import Mesh
 
 from agentgym_jax.parallel.distributed import rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
+from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.batch import bucket, length_grouped_batches, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train.state import TrainState
@@ -59,7 +59,7 @@ def sft_train(
     lengths = [len(t.token_ids) for t in trajectories]
     rng = np.random.default_rng(seed)
     history = []
-    with tqdm.tqdm(total=sft_num_updates(len(trajectories), batch_size, epochs), desc="sft", disable=not progress) as bar:
+    with Progress("sft", sft_num_updates(len(trajectories), batch_size, epochs), "batch", enabled=progress) as bar:
         for _ in range(epochs):
             for picked in length_grouped_batches(lengths, batch_size, rng, length_window):
                 rows = [trajectories[i] for i in picked]
@@ -69,6 +69,5 @@ def sft_train(
                     batch = rows_from_host(batch, batch_sharding(mesh))
                 state, metrics = step_fns.sft_update(state, batch)
                 history.append({k: float(v) for k, v in metrics.items()})
-                bar.set_postfix(nll=f"{history[-1]['nll']:.3f}")
-                bar.update()
+                bar.update(nll=history[-1]["nll"])
     return state, history

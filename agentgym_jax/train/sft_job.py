@@ -130,7 +130,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, _), _ = ckpt.restore((state, {}))
             logging.info("resumed SFT at step %d", start)
 
-        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer())
+        logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer(),
+                               desc="sft")
         for step in range(start, config.train.steps):
             picked = [rows[e][i] for e, i in schedule[step]]
             seq_len = bucket(max(len(t.token_ids) for t in picked))  # the batch's own bucket: one compilation per bucket

@@ -38,7 +38,7 @@ ENDPOINTS = (
 
 
 class EpisodeStatus(str, enum.Enum):
-    """Every way an episode can end (DESIGN rule 5: honest accounting)."""
+    """Every way an episode can end (architecture rule 5: honest accounting)."""
 
     SUCCESS = "success"
     FAILURE = "failure"

@@ -1,0 +1,114 @@
+"""A phase's progress: plain lines in a log (spaced, first and last always), a bar on a terminal,
+nothing when off; and the RL job's learning curve as the figure that draws it."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+from agentgym_jax.progress import Progress
+from agentgym_jax.train import rl_report
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_gets_a_line_at_the_start_every_interval_and_at_the_end():
+    log = io.StringIO()
+    with Progress("sft", 5, "batch", enabled=True, interval_s=3600, stream=log) as progress:
+        for nll in (3.0, 2.0, 1.5, 1.25, 1.125):
+            progress.update(nll=nll)
+    lines = log.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["sft 0/5 batches", "sft 5/5 batches"]  # the hour never passed
+    assert lines[-1].endswith("| nll=1.125") and " s/batch | " in lines[-1] and " elapsed" in lines[-1]
+
+
+def test_interval_zero_writes_a_line_per_update_with_its_values():
+    log = io.StringIO()
+    progress = Progress("rl", 3, "step", initial=1, enabled=True, interval_s=0, stream=log)  # resumed after step 1
+    progress.set(2, success_rate=0.25, horizon=4.0)
+    progress.set(3, success_rate=0.5, horizon=8.0)
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["rl 1/3 steps", "rl 2/3 steps", "rl 3/3 steps"]
+    assert lines[1].endswith("success_rate=0.25 horizon=4") and lines[2].endswith("success_rate=0.5 horizon=8")
+
+
+def test_retries_raise_the_total():
+    log = io.StringIO()
+    with Progress("maze", 2, "episode", enabled=True, stream=log) as progress:
+        progress.set(2)
+        progress.add_total(1)
+        progress.set(3)
+    assert log.getvalue().splitlines()[-1].startswith("maze 3/3 episodes |")
+
+
+def test_a_terminal_gets_a_bar_and_a_disabled_progress_writes_nothing():
+    terminal = Terminal()
+    with Progress("eval", 4, "episode", enabled=True, stream=terminal) as progress:
+        progress.set(4, success_rate=0.5)
+    assert "\r" in terminal.getvalue() and "4/4" in terminal.getvalue() and "success_rate=0.5" in terminal.getvalue()
+    quiet = io.StringIO()
+    with Progress("eval", 4, "episode", enabled=False, stream=quiet) as progress:
+        progress.set(4)
+    assert quiet.getvalue() == ""
+
+
+def test_a_terminal_without_a_width_gets_lines():
+    """A pseudo-terminal opened without a size (some CI runners): tqdm would draw nothing there."""
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w") as stream:
+            assert stream.isatty()
+            with Progress("eval", 2, "episode", enabled=True, stream=stream) as progress:
+                progress.set(2)
+        out = os.read(master, 4096).decode()
+    finally:
+        os.close(master)
+    assert "eval 2/2 episodes | " in out
+
+
+def _report(before: float, after: float, tasks: int = 64) -> dict:
+    def result(rate: float) -> dict:
+        wins = round(rate * tasks)
+        return {"success_rate": wins / tasks, "mean_reward": rate, "turns": 6.0, "invalid_action_rate": 0.0,
+                "task_success": [[t, int(t < wins)] for t in range(tasks)]}
+
+    return rl_report.build_report(env="room", seed=0, steps=24, reward_shaping="", before=result(before),
+                                  after=result(after), minutes=7.0, process_minutes=7.0, resumed_from_step=None)
+
+
+def test_the_learning_curve_labels_its_axes_and_marks_held_out_success():
+    records = [{"step": s, "success_rate": s / 40, "horizon": (4, 8, 12)[(s - 1) // 8]} for s in range(1, 25)]
+    report = _report(0.4375, 0.71875)
+    fig = rl_report.learning_curve(records, report)
+    ax, horizon_ax = fig.axes
+    assert "room" in ax.get_title() and "64 held-out" in ax.get_title()
+    assert ax.get_xlabel() == "RL step" and ax.get_ylabel() == "success rate"
+    assert horizon_ax.get_ylabel() == "horizon (turns allowed)"
+    (horizon_line,) = horizon_ax.get_lines()
+    assert set(np.asarray(horizon_line.get_ydata())) == {4, 8, 12}  # in turns, not scaled to the success axis
+    (train_line,) = [line for line in ax.get_lines() if line.get_label().startswith("train success")]
+    np.testing.assert_allclose(train_line.get_ydata(), [r["success_rate"] for r in records])
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "held-out after SFT: 0.438 (Wilson 95%)" in legend and "held-out after RL: 0.719 (Wilson 95%)" in legend
+    # The held-out points sit at RL step 0 and at the last step, with their Wilson intervals as bars.
+    for container, phase, step in zip(ax.containers, ("before", "after"), (0, 24)):
+        point, _, (bar,) = container.lines
+        np.testing.assert_allclose(point.get_xydata(), [[step, report[f"success_{phase}"]]])
+        low, high = report["wilson_95"][phase]
+        np.testing.assert_allclose(bar.get_segments()[0], [[step, low], [step, high]])
+
+
+def test_the_report_keeps_the_run_minutes_and_the_last_process_apart(capsys):
+    record = _report(0.5, 0.75)
+    record.update(minutes=15.7, process_minutes=0.3, resumed_from_step=20)
+    assert rl_report.print_report(record)["minutes"] == pytest.approx(15.7)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2] == "resumed at step 20: the last process took 0.3 of the run's 15.7 minutes"
+    assert out[-1].endswith("minutes=15.7")
