@@ -1,0 +1,5 @@
+"""The bubblewrap sandbox shared by every environment that runs model-written code."""
+
+from environments.sandbox.sandbox import Limits, RunResult, Sandbox, SandboxError, SandboxUnavailable, check_available
+
+__all__ = ["Limits", "RunResult", "Sandbox", "SandboxError", "SandboxUnavailable", "check_available"]
