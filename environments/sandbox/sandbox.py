@@ -153,14 +153,16 @@ class Sandbox:
     def __init__(self, limits: Limits = Limits(), hidden_paths: Iterable[str] = ()):
         check_available()
         self.limits = limits
-        self.host_uid = HOST_UIDS[0] + secrets.randbelow(HOST_UIDS[1] - HOST_UIDS[0]) if os.geteuid() == 0 else os.geteuid()
+        root = os.geteuid() == 0
+        self.host_uid = HOST_UIDS[0] + secrets.randbelow(HOST_UIDS[1] - HOST_UIDS[0]) if root else os.geteuid()
         self.closed = False
         self._pending = b""
+        self._pid1: int | None = None  # process 1 inside, as the host sees it
         info_r, info_w = os.pipe()
         runner_r, runner_w = os.pipe()  # the runner's source (well under a pipe's 64 KiB buffer)
         os.write(runner_w, RUNNER)
         os.close(runner_w)
-        as_user = dict(user=self.host_uid, group=self.host_uid, extra_groups=[]) if os.geteuid() == 0 else {}
+        as_user = dict(user=self.host_uid, group=self.host_uid, extra_groups=[]) if root else {}
         try:
             self._proc = subprocess.Popen(
                 bwrap_command(limits, hidden_paths, info_w, runner_r), stdin=subprocess.PIPE,
@@ -199,12 +201,18 @@ class Sandbox:
             left = deadline - time.monotonic()
             if self.closed:
                 raise SandboxError("the sandbox was closed")
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            try:
+                ready = left > 0 and select.select([fd], [], [], left)[0]
+                chunk = os.read(fd, 1 << 16) if ready else b""
+            except (OSError, ValueError):  # `close()` from another thread took the pipe away
+                raise SandboxError("the sandbox was closed") from None
+            if not ready:
                 self.close()
                 raise SandboxError("the sandbox stopped answering; it was killed")
-            chunk = os.read(fd, 1 << 16)
             if not chunk:
-                stderr = self._proc.stderr.read1().decode(errors="replace").strip() if not self.closed else ""
+                if self.closed:
+                    raise SandboxError("the sandbox was closed")
+                stderr = self._proc.stderr.read1().decode(errors="replace").strip()
                 self.close()
                 raise SandboxError(f"the sandbox ended{': ' + stderr[-2000:] if stderr else ''}")
             self._pending += chunk
@@ -245,7 +253,7 @@ class Sandbox:
         if self.closed:
             return
         self.closed = True
-        if self._proc.poll() is None and getattr(self, "_pid1", None):
+        if self._proc.poll() is None and self._pid1 is not None:
             try:
                 os.kill(self._pid1, signal.SIGKILL)
             except ProcessLookupError:
