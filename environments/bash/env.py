@@ -43,7 +43,7 @@ INSTRUCTION = (
 def normal_answer(text: str) -> str:
     """An answer as compared: quotes, backticks and a final period dropped; a path without `./` or
     `/work/`; a number as an integer."""
-    text = text.strip().strip("`'\"").strip().rstrip(".").strip()
+    text = text.strip().rstrip(".").strip("`'\"").rstrip(".").strip()
     for prefix in ("/work/", "./"):
         if text.startswith(prefix):
             text = text[len(prefix):]
