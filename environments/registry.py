@@ -25,6 +25,7 @@ ENVIRONMENTS: dict[str, str] = {
     "todo": "environments.tools.todo:TodoEnv",
     "sheet": "environments.tools.sheet:SheetEnv",
     "bash": "environments.bash.env:BashEnv",
+    "code": "environments.code.env:CodeEnv",
 }
 
 
