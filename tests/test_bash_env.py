@@ -136,10 +136,13 @@ def test_observations_show_stdout_stderr_exit_code_and_limits(url):
         "(output truncated: stopped after 4096 bytes of output)\nexit code: 137")
     missing = step("frobnicate --all")
     assert missing["info"]["invalid_action"] is True and "command not found" in missing["observation"]
+    garbled = step("oak planks) craft (")
+    assert garbled["info"]["invalid_action"] is True and "syntax error" in garbled["observation"]
+    assert step("ls no-such-dir")["info"]["invalid_action"] is False  # exit code 2, but a command that ran
     empty_answer = step("submit")
     assert empty_answer["info"]["invalid_action"] is True and empty_answer["done"] is False
     assert "submit <answer>" in empty_answer["observation"]
-    for _ in range(MAX_TURNS - 5):
+    for _ in range(MAX_TURNS - 7):
         last = step("ls logs > /dev/null")
     assert last["done"] is True and last["reward"] == 0 and "used all 20 turns" in last["observation"]
     assert request_json(url, "POST", "/step", {"id": session, "action": "ls"})[0] == 409

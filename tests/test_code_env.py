@@ -90,6 +90,7 @@ def test_solutions_that_do_not_pass_fail(name, code, monkeypatch):
     result = env.step("submit")
     env.close()
     assert result.done and result.reward == 0.0 and result.info["success"] is False, name
+    assert result.info["timed_out"] is (name == "endless")
     assert result.observation == "Your solution failed the hidden tests. The task is over."
 
 

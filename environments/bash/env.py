@@ -2,11 +2,12 @@
 
 Each turn the action is one shell command (it may span lines, e.g. a heredoc); the observation
 is its stdout, stderr and exit code, and says when a limit stopped it (`RunResult.render`). A
-command the shell cannot find (exit code 127) counts as an invalid action. Commands run one at a
-time in a fresh `bash -c` in /work: files persist between turns, `cd`, variables and background
-processes do not. `submit` ends the episode (`submit <answer>` for a question); reward 1 when the
-task is solved: the answer matches, or the state read back from the sandbox by its process 1
-does (`tasks.py` says how each task is checked). The episode ends unsolved after `MAX_TURNS`.
+command the shell cannot find (exit code 127) or cannot parse (its syntax error) is an invalid
+action. Commands run one at a time in a fresh `bash -c` in /work: files persist between turns,
+`cd`, variables and background processes do not. `submit` ends the episode (`submit <answer>`
+for a question); reward 1 when the task is solved: the answer matches, or the state read back
+from the sandbox by its process 1 does (`tasks.py` says how each task is checked). The episode
+ends unsolved after `MAX_TURNS`.
 
 Every episode gets a fresh sandbox (`environments/sandbox/`), closed with the session.
 Tasks: `tasks.py`'s templates; the test split is every fifth id, which covers every template.
@@ -14,18 +15,21 @@ Tasks: `tasks.py`'s templates; the test split is every fifth id, which covers ev
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out
 from environments.bash import tasks
-from environments.sandbox import Limits, Sandbox, check_available
+from environments.sandbox import Limits, RunResult, Sandbox, check_available
 from environments.sandbox.actions import code_action
 
 MAX_TURNS = 20
 TEST_EVERY = 5  # coprime with the 8 templates: the test split holds each template equally
 LIMITS = Limits(cpu_s=5.0, wall_s=10.0, memory_bytes=512 << 20, processes=64, output_bytes=4096, disk_bytes=16 << 20)
 NOT_FOUND = 127  # bash's exit code for a command it cannot find
+SYNTAX_ERROR = 2  # ... and for one it cannot parse, with this message first:
+SYNTAX_MESSAGE = re.compile(r"^/bin/bash: -c: line \d+: syntax error")
 
 INSTRUCTION = (
     "You solve tasks in a Linux shell. Your files are in /work, the current directory. Each turn, run one bash "
@@ -51,6 +55,11 @@ def normal_answer(text: str) -> str:
         return str(int(text))
     except ValueError:
         return text
+
+
+def unrunnable(run: RunResult) -> bool:
+    """A command bash could not find or not parse: the shell's own invalid action."""
+    return run.exit_code == NOT_FOUND or (run.exit_code == SYNTAX_ERROR and bool(SYNTAX_MESSAGE.match(run.stderr)))
 
 
 def _same_text(got: str | None, want: str) -> bool:
@@ -115,7 +124,7 @@ class BashEnv(Environment):
         if word == "submit":
             return self._submit(rest.strip())
         run = self.sandbox.run(action)
-        return self._go_on(run.render(LIMITS), invalid=run.exit_code == NOT_FOUND, exit_code=run.exit_code,
+        return self._go_on(run.render(LIMITS), invalid=unrunnable(run), exit_code=run.exit_code,
                            timed_out=run.timed_out, truncated=run.truncated)
 
     def _submit(self, answer: str) -> StepResult:
