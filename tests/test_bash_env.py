@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import os
 import pathlib
+import random
 import secrets
 import time
 
@@ -174,3 +176,44 @@ def test_close_leaves_no_process_behind(url):
     assert len(processes_of(uid)) == 2  # bwrap and process 1: the sleeps ended with their command
     assert request_json(url, "POST", "/close", {"id": session}) == (200, {"id": session, "closed": True})
     assert wait_until_gone(uid) == []
+
+
+HOSTILE_COMMANDS = (
+    "rm -rf /work/* /work/.[!.]* /tmp/*", "kill -9 -1", "kill -9 1", "kill -STOP 1", "cat /dev/urandom",
+    "yes | head -c 1000000", "exec 1>&- 2>&-; echo gone", "ulimit -n 3; ls", "printf '\\x00\\xff\\xfe'",
+    "echo $((1/0))", "ls -l /proc/1/fd", "cat /proc/1/environ", "python3 -c 'import os; os.kill(1, 9)'",
+    "unset PATH; ls", "rm -rf /etc /sandbox /bin 2>/dev/null; echo done", "submit", "submit ../../etc/passwd",
+    "'unterminated", "$(", "`", "\n\n\nls", "exit 255", "trap '' TERM HUP; sleep 0.2 & disown", "mkfifo p; cat p &",
+    "dd if=/dev/zero of=big bs=1M count=100", "python3 -c 'x = \"a\" * 10**10'", "ln -s /etc/passwd logs",
+    "chmod 000 .; ls", "for i in $(seq 50); do (sleep 0.1 &); done", "\u00e9\u0000\ufffd\U0001F600",
+)
+
+
+def test_fuzzed_commands_never_break_a_session(url):
+    """Seeded sequences of hostile commands: every answer is an ordinary turn, the session keeps
+    working, and the oracle still solves the task from a fresh reset."""
+    rng = random.Random("fuzz:bash")
+    task_id = BashEnv.task_info().splits["test"][1]
+    session = request_json(url, "POST", "/create", {})[1]["id"]
+    assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task_id})[0] == 200
+    for _ in range(40):
+        command = rng.choice(["; ", " && ", "\n", " | "]).join(rng.sample(HOSTILE_COMMANDS, rng.randint(1, 3)))
+        status, result = request_json(url, "POST", "/step", {"id": session, "action": f"Action: {command}"})
+        if status == 409:  # the fuzz submitted: start again
+            assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task_id})[0] == 200
+            continue
+        assert status == 200, (command, result)
+        assert result["observation"] and result["reward"] == 0 and {"exit_code", "invalid_action"} <= set(result["info"]) \
+            or result["done"], (command, result)
+        json.dumps(result, allow_nan=False)
+        if result["done"]:
+            assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task_id})[0] == 200
+    assert request_json(url, "POST", "/reset", {"id": session, "data_idx": task_id})[0] == 200
+    while True:
+        action = request_json(url, "GET", f"/oracle_action?id={session}")[1]["action"]
+        status, result = request_json(url, "POST", "/step", {"id": session, "action": action})
+        assert status == 200, result
+        if result["done"]:
+            break
+    assert result["info"]["success"] is True
+    request_json(url, "POST", "/close", {"id": session})

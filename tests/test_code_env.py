@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import gzip
 import json
+import random
 
 import pytest
 
@@ -94,6 +95,18 @@ def test_solutions_that_do_not_pass_fail(name, code, monkeypatch):
     assert result.observation == "Your solution failed the hidden tests. The task is over."
 
 
+def test_a_full_disk_is_an_observation_not_a_broken_session():
+    env = CodeEnv()
+    env.reset(TRUNCATE)
+    env.step(CodeEnv.parse_action(_write("import os\nos.system('head -c 100000000 /dev/zero > /work/big; "
+                                         "for i in $(seq 10000); do echo x > /work/f$i || break; done')")))
+    env.step("run")
+    saved = env.step(CodeEnv.parse_action(_write("def truncate_number(number):\n    return number % 1.0\n" * 2000)))
+    assert saved.observation.startswith("Could not save solution.py (OSError: [Errno 28] No space left on device")
+    assert env.step("run").observation == "There is no solution.py yet: `write` one first."
+    env.close()
+
+
 def test_the_hidden_data_is_not_in_the_sandbox():
     env = CodeEnv()
     env.reset(TRUNCATE)
@@ -141,3 +154,42 @@ def test_the_episode_ends_after_max_turns():
         assert result.done is (turn == MAX_TURNS)
     assert result.reward == 0 and "used all 10 turns" in result.observation
     env.close()
+
+
+HOSTILE_CODE = (
+    "import os\nos.kill(1, 9)", "import os\nos.remove('solution.py')", "import os\nfor _ in range(64):\n    os.fork()",
+    "def f():\n    return f()\nf()", "x = bytearray(10**10)", "import ctypes\nctypes.string_at(0)",
+    "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 100)", "raise SystemExit(3)", "import os\nos._exit(0)",
+    "open('/work/big', 'wb').write(b'0' * (64 << 20))", "import socket\nsocket.create_connection(('127.0.0.1', 80))",
+    "print('\\ud800')", "def truncate_number(number):\n    return float('nan')", "while True:\n    break",
+    "import signal, os\nos.kill(os.getpid(), signal.SIGSEGV)", "\u0000", "class A:\n    def __eq__(self, o):\n        return True",
+)
+
+
+def test_fuzzed_actions_never_break_a_session(url):
+    """Seeded hostile programs and malformed actions: every answer is an ordinary turn, nothing
+    passes, the session keeps working and the oracle still solves the task from a fresh reset."""
+    rng = random.Random("fuzz:code")
+    session = request_json(url, "POST", "/create", {})[1]["id"]
+    assert request_json(url, "POST", "/reset", {"id": session, "data_idx": TRUNCATE})[0] == 200
+    for _ in range(30):
+        kind = rng.random()
+        if kind < 0.6:  # a hostile program, then its public or hidden tests
+            actions = [_write(rng.choice(HOSTILE_CODE)), rng.choice(["run", "Action: run", "Action:\n```\nrun\n```", "submit"])]
+        else:
+            actions = [rng.choice(["run", "write", "write ```python\n```", "run now", "Action: " + "`" * 5000, "sub mit", "\n"])]
+        for action in actions:
+            status, result = request_json(url, "POST", "/step", {"id": session, "action": action})
+            if status == 409:  # the episode ended on the last turn
+                break
+            assert status == 200, (action, result)
+            assert result["observation"] and result["reward"] == 0 and result["info"]["success"] is False, (action, result)
+            json.dumps(result, allow_nan=False)
+        if status == 409 or result["done"]:
+            assert request_json(url, "POST", "/reset", {"id": session, "data_idx": TRUNCATE})[0] == 200
+    assert request_json(url, "POST", "/reset", {"id": session, "data_idx": TRUNCATE})[0] == 200
+    for _ in range(3):
+        action = request_json(url, "GET", f"/oracle_action?id={session}")[1]["action"]
+        status, result = request_json(url, "POST", "/step", {"id": session, "action": action})
+    assert status == 200 and result["done"] and result["info"]["success"] is True
+    request_json(url, "POST", "/close", {"id": session})

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from environments.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailable
+from environments.sandbox import Limits, RequestFailed, Sandbox, SandboxError, SandboxUnavailable
 from tests.servers import REPO
 
 FAST = Limits(cpu_s=2, wall_s=2, processes=32, output_bytes=4096, disk_bytes=4 << 20)
@@ -71,7 +71,7 @@ def test_commands_run_in_the_work_directory_and_files_persist(box):
 
 def test_the_runner_refuses_paths_outside_work_and_keeps_serving(box):
     for path in ("../etc/passwd", "/etc/x", "a/../../x"):
-        with pytest.raises(SandboxError, match="must be relative and stay inside /work"):
+        with pytest.raises(RequestFailed, match="must be relative and stay inside /work"):
             box.write({path: "x"})
     box.run("mkfifo pipe")
     assert box.read(["pipe"]) == {"pipe": None}  # a FIFO is not read (it would block process 1)
@@ -142,6 +142,8 @@ def test_filling_the_disk_stops_at_the_limit(box):
     big, tmp_big, used = map(int, result.stdout.split())
     assert big <= FAST.disk_bytes and tmp_big <= FAST.disk_bytes and used <= FAST.disk_bytes + (1 << 20)
     assert "No space left on device" in result.stderr or "File too large" in result.stderr
+    with pytest.raises(RequestFailed, match="No space left on device"):  # the runner's own write: refused, not broken
+        box.write({"more.txt": "x" * 100_000})
     assert box.run("rm -f big small*; echo ok > small").exit_code == 0  # freeing space works
 
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out
 from environments.bash import tasks
-from environments.sandbox import Limits, RunResult, Sandbox, check_available
+from environments.sandbox import Limits, RequestFailed, RunResult, Sandbox, check_available
 from environments.sandbox.actions import code_action
 
 MAX_TURNS = 20
@@ -143,7 +143,10 @@ class BashEnv(Environment):
         if task.check_root:
             got = self.sandbox.read([task.check_root])
             return got.keys() == task.expected.keys() and all(_same_text(got[p], t) for p, t in task.expected.items())
-        self.sandbox.write(task.check_files)
+        try:
+            self.sandbox.write(task.check_files)
+        except RequestFailed:  # the agent left no room (a full disk) or a directory in the way
+            return False
         run = self.sandbox.run(task.check_command)
         return run.exit_code == 0 and run.stdout.strip() == task.expected_output.strip()
 

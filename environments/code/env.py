@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
 from environments.base import Environment, every_kth_held_out
 from environments.code import problems
-from environments.sandbox import Limits, Sandbox, check_available
+from environments.sandbox import Limits, RequestFailed, Sandbox, check_available
 from environments.sandbox.actions import code_action, strip_fence
 
 MAX_TURNS = 10
@@ -107,7 +107,11 @@ class CodeEnv(Environment):
             code = strip_fence(rest)
             if not code.strip():
                 return self._go_on(INVALID, invalid=True)
-            self.sandbox.write({problems.SOLUTION_FILE: code + "\n"})
+            try:
+                self.sandbox.write({problems.SOLUTION_FILE: code + "\n"})
+            except RequestFailed as e:  # e.g. an earlier program filled the disk
+                self.solution, self.tested = None, False
+                return self._go_on(f"Could not save solution.py ({e.reason}).", invalid=False)
             self.solution, self.tested = code, False
             lines = code.count("\n") + 1
             return self._go_on(f"Saved solution.py ({lines} line{'s' if lines > 1 else ''}).", invalid=False)

@@ -47,6 +47,14 @@ class SandboxError(RuntimeError):
     """The sandbox stopped answering or ended; it is closed and cannot be used again."""
 
 
+class RequestFailed(SandboxError):
+    """The runner could not do one request (a path outside /work, a full disk); the sandbox is intact."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the sandbox runner could not do the request: {reason}")
+        self.reason = reason
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one command may use; `disk_bytes` also sizes `/work` and `/tmp` for the sandbox's life."""
@@ -230,7 +238,7 @@ class Sandbox:
             raise SandboxError("the sandbox ended") from None
         answer = self._answer(time.monotonic() + timeout_s)
         if "error" in answer:
-            raise SandboxError(f"the sandbox runner refused the request: {answer['error']}")
+            raise RequestFailed(answer["error"])
         return answer
 
     def run(self, command: str, stdin: str = "") -> RunResult:
