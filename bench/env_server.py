@@ -2,6 +2,7 @@
 
     python bench/env_server.py --env=textcraft                # our server, started here
     python bench/env_server.py --env=textcraft --url=http://127.0.0.1:36001 --dialect=textcraft
+    python bench/env_server.py --env=bash --sessions=1,16,64  # bash, code: a sandbox a session, 64 at most
 
 Every session replays oracle action sequences recorded beforehand from our own server (so the
 timed phase sends exactly one /step per action, to ours and to AgentGym's alike): reset a task,

@@ -24,6 +24,8 @@ ENVIRONMENTS: dict[str, str] = {
     "academia": "environments.tools.academia:AcademiaEnv",
     "todo": "environments.tools.todo:TodoEnv",
     "sheet": "environments.tools.sheet:SheetEnv",
+    "bash": "environments.bash.env:BashEnv",
+    "code": "environments.code.env:CodeEnv",
 }
 
 
