@@ -3,9 +3,11 @@ multi-turn continuation vs re-prefilling the whole history every turn.
 
     python bench/sampler.py                      # 4 layers, hidden 512, batch 16, 128 new tokens
     python bench/sampler.py --layers 2 --batch 4 --new-tokens 32 --turns 3   # a quick look
+    python bench/sampler.py --model=pretrained:smollm2-135m-instruct --batch 32 --new-tokens 32   # a real model
 
 One random Qwen2 model is built by transformers, saved with save_pretrained and loaded by our
-loader, so both sides run the same float32 weights on the CPU with the same number of threads
+loader (or, with `--model`, a Hugging Face folder, `pretrained:<name>` or `hf:<org>/<name>` is
+loaded by both), so both sides run the same float32 weights on the CPU with the same number of threads
 (torch intra-op threads = the cores this process may use; XLA's CPU thread pool spans the same
 cores). `taskset -c 0 python bench/sampler.py` pins both to one core and times them in process
 CPU seconds, which the load of other processes on a shared machine does not move. Greedy
@@ -33,12 +35,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from agentgym_jax.models import fetch  # noqa: E402
 from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
 
 
 def build_model(args: argparse.Namespace, folder: str) -> transformers.PreTrainedModel:
+    """A random Qwen2 model of the arguments' shape, saved to `folder`; or the `--model` named."""
+    if args.model:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -116,6 +122,8 @@ def main() -> None:
     parser.add_argument("--obs-len", type=int, default=48, help="longest environment observation per turn")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and compute, both sides")
+    parser.add_argument("--model", default="", help="a Hugging Face folder, pretrained:<name> or hf:<org>/<name> "
+                        "(instead of a random model of --layers/--hidden/--vocab)")
     args = parser.parse_args()
 
     threads = len(os.sched_getaffinity(0))
@@ -123,17 +131,19 @@ def main() -> None:
     # On one core, process CPU time is the work done whatever the neighbours' load; on several,
     # it would charge parallelism (and torch's spinning threads), so wall time is used.
     clock, clock_name = (time.process_time, "cpu") if threads == 1 else (time.perf_counter, "wall")
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = fetch.resolve(args.model) if args.model else scratch
+        hf_model = build_model(args, folder)
+        model_config, params = load_pretrained(folder, dtype=args.dtype)
+    args.vocab = model_config.vocab_size
     rng = np.random.default_rng(0)
     lengths = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.batch)
     lengths[0] = args.prompt_len
     prompts = [rng.integers(3, args.vocab, n).tolist() for n in lengths]
     prompt_tokens = int(lengths.sum())
-
-    with tempfile.TemporaryDirectory() as folder:
-        hf_model = build_model(args, folder)
-        model_config, params = load_pretrained(folder, dtype=args.dtype)
     print(
-        f"model: qwen2 layers={args.layers} hidden={args.hidden} vocab={args.vocab} {args.dtype} | "
+        f"model: {args.model or 'qwen2'} {model_config.family} layers={model_config.num_layers} "
+        f"hidden={model_config.hidden_size} vocab={args.vocab} {args.dtype} | "
         f"batch={args.batch} prompt_tokens={prompt_tokens} new_tokens={args.new_tokens} | "
         f"threads={threads} clock={clock_name} | "
         f"jax={jax.__version__} torch={torch.__version__} transformers={transformers.__version__}"

@@ -3,6 +3,8 @@ fraction of a large float32 matmul's FLOP/s measured in the same run on the same
 
     python bench/train_step.py                   # Qwen2, 4 layers, hidden 512, vocab 4096, 16 x 512 tokens
     python bench/train_step.py --layers 2 --seq 128 --rounds 2   # a quick look
+    python bench/train_step.py --model=pretrained:smollm2-135m-instruct --batch 8 --seq 512 \
+        [--compute-dtype bfloat16] [--lora-rank 16] [--trainable-layers 8]    # a real model, tuned
 
 One update is GRPO as the RL job runs it: `prepare` (policy and reference forward: log-probs,
 entropy, advantages) then `rl_update` with `--ppo-epochs` epochs of one mini-batch (forward +
@@ -41,8 +43,10 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from agentgym_jax.models import fetch, tuning  # noqa: E402
 from agentgym_jax.models.config import ModelConfig  # noqa: E402
 from agentgym_jax.models.decoder import init_params  # noqa: E402
+from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
 from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
@@ -83,7 +87,8 @@ def matmul_params(m: ModelConfig) -> int:
 
 
 def model_flops(m: ModelConfig, rows: int, seq: int, config: UpdateConfig) -> float:
-    """Matmul FLOPs of one prepare + rl_update (see the module docstring)."""
+    """Matmul FLOPs of one prepare + rl_update (see the module docstring), full training: what the
+    update would cost with every parameter trained (a tuned update does less of it, faster)."""
     forward = 2 * matmul_params(m) * rows * seq + 4 * m.num_layers * m.num_heads * m.head_dim * rows * seq**2
     passes = 1 + (1 if config.uses_reference else 0) + 3 * config.ppo_epochs
     return passes * forward
@@ -114,26 +119,35 @@ def main() -> None:
     parser.add_argument("--ppo-epochs", type=int, default=1)
     parser.add_argument("--kl-coef", type=float, default=0.001)  # the GRPO configs' KL loss
     parser.add_argument("--compute-dtype", default=None, help="e.g. bfloat16; default: the params' float32")
+    parser.add_argument("--model", default="", help="a Hugging Face folder, pretrained:<name> or hf:<org>/<name> "
+                        "(its shape replaces --layers/--hidden/--vocab)")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--trainable-layers", type=int, default=0)
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--matmul", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    model = bench_model(args.layers, args.hidden, args.vocab)
+    if args.model:
+        model, params = load_pretrained(fetch.resolve(args.model))
+    else:
+        model = bench_model(args.layers, args.hidden, args.vocab)
+        params = init_params(model, jax.random.PRNGKey(0))
+    spec = tuning.Tuning(lora_rank=args.lora_rank, trainable_layers=args.trainable_layers)
     config = UpdateConfig(
         model=model, ppo_epochs=args.ppo_epochs, kl_coef=args.kl_coef, compute_dtype=args.compute_dtype,
-        remat=args.remat,
+        remat=args.remat, lora_scale=spec.lora_scale,
     )
     fns = make_step_fns(config)
-    params = init_params(model, jax.random.PRNGKey(0))
-    ref_params = jax.tree.map(jnp.copy, params)
-    state = TrainState.create(params, optax.adamw(1e-6), jax.random.PRNGKey(1))
-    batch = random_batch(args.batch, args.seq, args.vocab, group_size=8)
+    trainable, frozen = tuning.split(params, spec, jax.random.PRNGKey(4), frozen_dtype=args.compute_dtype)
+    ref_params = jax.tree.map(jnp.copy, trainable)
+    state = TrainState.create(trainable, optax.adamw(1e-6), jax.random.PRNGKey(1), frozen=frozen)
+    batch = random_batch(args.batch, args.seq, model.vocab_size, group_size=8)
     tokens = args.batch * args.seq
 
     start = time.perf_counter()
-    prepare = fns.prepare.lower(state.params, ref_params, batch).compile()
-    rl_batch, _ = prepare(state.params, ref_params, batch)
+    prepare = fns.prepare.lower(state.policy_params, state.policy_of(ref_params), batch).compile()
+    rl_batch, _ = prepare(state.policy_params, state.policy_of(ref_params), batch)
     rl_update = fns.rl_update.lower(state, rl_batch).compile()
     state, metrics = rl_update(state, rl_batch)
     jax.block_until_ready(metrics)
@@ -147,7 +161,7 @@ def main() -> None:
 
     def update():
         nonlocal state
-        rl_batch, _ = prepare(state.params, ref_params, batch)
+        rl_batch, _ = prepare(state.policy_params, state.policy_of(ref_params), batch)
         state, metrics = rl_update(state, rl_batch)
         return metrics
 
@@ -161,7 +175,10 @@ def main() -> None:
     fraction = flops_model / update_s / matmul_flops_s
     rows = [
         ("device", str(jax.devices()[0].device_kind), ""),
-        ("model", f"qwen2 L={args.layers} d={args.hidden} vocab={args.vocab}", ""),
+        ("model", args.model or f"qwen2 L={args.layers} d={args.hidden} vocab={args.vocab}",
+         f"{model.family} L={model.num_layers} d={model.hidden_size} vocab={model.vocab_size}"),
+        ("compute dtype / trained", f"{args.compute_dtype or 'float32'} / "
+         + ("all" if spec.full else f"lora_rank={spec.lora_rank} trainable_layers={spec.trainable_layers or 'all'}"), ""),
         ("matmul params N", f"{matmul_params(model) / 1e6:.1f}M", "attention, MLP, LM head"),
         ("batch x seq (tokens)", f"{args.batch} x {args.seq} ({tokens})", ""),
         ("first call (compile + run) s", f"{compile_s:.1f}", ""),

@@ -1,0 +1,11 @@
+r"""The pretrained-policy recipe for textcraft (configs/smollm.py has the numbers and why).
+
+    python -m agentgym_jax.launch --config=configs/textcraft_smollm.py
+"""
+
+from configs import smollm
+
+
+def get_config(arg: str = ""):
+    del arg
+    return smollm.get_config("textcraft")
