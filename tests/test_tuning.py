@@ -186,3 +186,21 @@ def test_bad_settings_are_named():
     trainable, frozen = tuning.split(init_params(MODEL, jax.random.key(0)), LORA, jax.random.key(1))
     with pytest.raises(ValueError, match="carry LoRA adapters .* but lora_scale is 0"):
         forward(tuning.combine(trainable, frozen), TOKENS, POSITIONS, config=MODEL)
+
+
+def test_a_tuned_rl_job_trains_adapters_and_exports_the_merged_policy(tmp_path):
+    """The smallest RL job with LoRA on its top layer: SFT and RL train only adapters, checkpoints
+    hold them alone, and the merged policy is exported as a Hugging Face folder."""
+    from agentgym_jax.models.hf_checkpoint import load_pretrained
+    from tests.rl_runs import TINY_RL_JOB, run_rl_job
+
+    overrides = {**TINY_RL_JOB, "workdir": tmp_path, "train.steps": 2, "train.checkpoint_every": 1,
+                 "horizon.steps_per_stage": 1, "model.lora_rank": 2, "model.trainable_layers": 1}
+    summary = run_rl_job("configs/quickstart.py", overrides)
+    assert summary.env == "room"
+    state, _ = Checkpointer(str(tmp_path / "checkpoints"), every=1).restore_raw(2)  # (train state, reference)
+    assert set(state["params"]) == {"layers"} and set(state["params"]["layers"]) == {"attn", "mlp"}
+    assert all(name.endswith("_lora") for module in state["params"]["layers"].values() for name in module)
+    assert not state["frozen"]
+    config, params = load_pretrained(tmp_path / "hf")
+    assert config.num_layers == 2 and "lora" not in str(jax.tree_util.tree_structure(params))

@@ -103,7 +103,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                     length_window=config.sft.length_window, progress=is_writer(),
                 )
                 fresh_opt = jax.jit(state.tx.init, out_shardings=state_shardings.opt_state)  # placed like the state
-                state = state.replace(params=sft_state.params, opt_state=fresh_opt(sft_state.params))
+                state = state.replace(params=sft_state.params, frozen=sft_state.frozen,  # both donated through SFT
+                                      opt_state=fresh_opt(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = reference_params(state.params, updates.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
