@@ -96,7 +96,7 @@ RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "c
 def test_every_rl_config_builds_its_update_filter_and_schedules(name):
     """What an RL job reads of its config before any model is built is valid in every shipped config."""
     from agentgym_jax.config import load_config_file
-    from agentgym_jax.rl.horizon import from_config
+    from agentgym_jax.train.settings import horizon_schedule as from_config
     from configs import models
 
     config = load_config_file(f"configs/{name}")
@@ -120,7 +120,7 @@ def test_the_cpu_recipe_names_its_environments():
 def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env):
     """Issue #15's rules for the recipes: the environment's own reward unless a run opts in, SFT only
     on demonstrations the final horizon holds, and every horizon stage as long as the others."""
-    from agentgym_jax.rl.horizon import from_config
+    from agentgym_jax.train.settings import horizon_schedule as from_config
     from configs import cpu
 
     config = cpu.get_config(env)

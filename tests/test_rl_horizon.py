@@ -3,7 +3,9 @@
 import ml_collections
 import pytest
 
+from agentgym_jax.config import ConfigError
 from agentgym_jax.rl import horizon
+from agentgym_jax.train import settings
 
 
 def test_stepwise_boundaries():
@@ -22,7 +24,7 @@ def test_fixed_is_constant():
 
 def run_steps(schedule_config, first_step, last_step):
     """What a training run does: build the schedule from the config, ask each step's horizon."""
-    schedule = horizon.from_config(schedule_config)
+    schedule = settings.horizon_schedule(schedule_config)
     return {step: schedule.horizon(step) for step in range(first_step, last_step)}
 
 
@@ -38,7 +40,7 @@ def test_resumed_run_has_the_uninterrupted_horizons():
     assert [resumed[s] for s in (100, 101, 102, 199, 200)] == [20, 20, 20, 20, 30]
     # Interrupted again mid-stage, and asked out of order: still a function of the step alone.
     assert run_steps(config, 150, 160) == {s: 20 for s in range(150, 160)}
-    schedule = horizon.from_config(config)
+    schedule = settings.horizon_schedule(config)
     assert [schedule.horizon(s) for s in (250, 5, 150, 99, 100)] == [30, 10, 20, 10, 20]
 
 
@@ -46,9 +48,9 @@ def test_from_config_accepts_dicts_and_config_dicts():
     config = ml_collections.ConfigDict(
         {"schedule": "stepwise", "rounds": (5, 8), "steps_per_stage": 3}
     )
-    assert horizon.from_config(config) == horizon.stepwise((5, 8), 3)
-    assert horizon.from_config({"schedule": "fixed", "rounds": 12}) == horizon.fixed(12)
-    assert horizon.from_config({"schedule": "stepwise", "rounds": [1, 2, 3]}).steps_per_stage == 100
+    assert settings.horizon_schedule(config) == horizon.stepwise((5, 8), 3)
+    assert settings.horizon_schedule({"schedule": "fixed", "rounds": 12}) == horizon.fixed(12)
+    assert settings.horizon_schedule({"schedule": "stepwise", "rounds": [1, 2, 3]}).steps_per_stage == 100
 
 
 def test_fixed_on_a_stepwise_config_is_its_final_horizon():
@@ -56,9 +58,9 @@ def test_fixed_on_a_stepwise_config_is_its_final_horizon():
     rounds and stage length and trains at the last round from the first step."""
     from tests.test_rl_config import parse
 
-    schedule = horizon.from_config(parse("--config.horizon.schedule=fixed").horizon)
+    schedule = settings.horizon_schedule(parse("--config.horizon.schedule=fixed").horizon)
     assert schedule == horizon.fixed(12) and [schedule.horizon(s) for s in (0, 8, 23)] == [12, 12, 12]
-    assert horizon.from_config({"schedule": "fixed", "rounds": (4, 8), "steps_per_stage": 5}) == horizon.fixed(8)
+    assert settings.horizon_schedule({"schedule": "fixed", "rounds": (4, 8), "steps_per_stage": 5}) == horizon.fixed(8)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +79,8 @@ def test_fixed_on_a_stepwise_config_is_its_final_horizon():
     ],
 )
 def test_bad_configs_are_refused(config, message):
-    with pytest.raises(ValueError, match=message):
-        horizon.from_config(config)
+    with pytest.raises(ConfigError, match=message):
+        settings.horizon_schedule(config)
 
 
 def test_bad_steps_are_refused():

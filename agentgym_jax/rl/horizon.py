@@ -14,12 +14,8 @@ the value a checkpoint written after n updates restores). Stage k covers steps
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-from agentgym_jax.config import ConfigError
+from collections.abc import Sequence
 
 
 def stage_of(step: int, steps_per_stage: int, num_stages: int) -> int:
@@ -75,25 +71,6 @@ def stepwise(rounds: Sequence[int] = (10, 20, 30), steps_per_stage: int = 100) -
     return HorizonSchedule(rounds=tuple(rounds), steps_per_stage=steps_per_stage)
 
 
+# name -> builder; `train/settings.py` reads `config.horizon` into one of these.
 HORIZON_SCHEDULES = {"fixed": fixed, "stepwise": stepwise}
 
-
-def from_config(config: Mapping[str, Any]) -> HorizonSchedule:
-    """A schedule from a dict or ConfigDict: `{"schedule": "fixed", "rounds": 10}` or
-    `{"schedule": "stepwise", "rounds": [10, 20, 30], "steps_per_stage": 100}`.
-    """
-    params = dict(config.items())
-    name = params.pop("schedule", None)
-    if name not in HORIZON_SCHEDULES:
-        valid = ", ".join(HORIZON_SCHEDULES)
-        raise ConfigError(f"unknown horizon schedule {name!r}; valid: {valid}")
-    builder = HORIZON_SCHEDULES[name]
-    valid = inspect.signature(builder).parameters
-    if unknown := sorted(set(params) - set(valid)):
-        raise ConfigError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
-    if "rounds" not in params:
-        raise ConfigError(f"horizon schedule {name!r} needs 'rounds'")
-    try:
-        return builder(**params)
-    except ValueError as e:
-        raise ConfigError(f"horizon: {e}") from e

@@ -29,15 +29,13 @@ from agentgym_jax.job import setup
 from agentgym_jax.parallel.distributed import (
     broadcast_object, gather_objects, initialize_distributed, is_writer, process_share,
 )
-from agentgym_jax.rl.curriculum import from_config as task_curriculum
-from agentgym_jax.rl.horizon import from_config as horizon_schedule
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train.jobs import (
     batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
     rollout_metrics, task_batch, update_config,
 )
-from agentgym_jax.train import rl_report
+from agentgym_jax.train import rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
@@ -47,15 +45,15 @@ from agentgym_jax.train.steps import make_step_fns, train_state_shardings
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
     process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
-    schedule = horizon_schedule(config.horizon)
-    curriculum = task_curriculum(config.curriculum)
+    schedule = settings.horizon_schedule(config.horizon)
+    curriculum = settings.curriculum(config.curriculum)
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
         return finished
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
-        curriculum.check(info.splits["train"], info.metadata)
+        settings.check_curriculum(curriculum, info.splits["train"], info.metadata)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         resuming = ckpt.latest_step is not None
