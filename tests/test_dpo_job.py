@@ -20,7 +20,7 @@ from agentgym_jax.train import dpo_job
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.state import TrainState
-from agentgym_jax.train.steps import UpdateConfig
+from agentgym_jax.train.steps import Forward, UpdateConfig
 from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]
@@ -72,7 +72,7 @@ def test_jitted_objective_matches_float64_reference_and_one_update_raises_the_ma
     rng = np.random.default_rng(1)
     ref_c = rng.normal(-4.0, 1.0, chosen.tokens.shape).astype(np.float32)  # any frozen reference
     ref_r = rng.normal(-4.0, 1.0, rejected.tokens.shape).astype(np.float32)
-    fns = dpo_job.make_dpo_step_fns(UpdateConfig(model=model), BETA)
+    fns = dpo_job.make_dpo_step_fns(UpdateConfig(Forward(model)), BETA)
     loss, metrics = fns.objective(params, dpo_job.DPOBatch(chosen, rejected, ref_c, ref_r))
 
     delta_c = _logprob_sums_f64(hf_model, chosen) - (ref_c * np.asarray(chosen.loss_mask)).sum(1)
@@ -102,7 +102,7 @@ def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_d
     pad = load_tokenizer(folder).pad_token_id
     assert pad is None or pad >= VOCAB  # the trap: a tokenizer pad id the model cannot embed
     pairs = build_pairs(_trajectories(seed=3, tasks=3))
-    fns = dpo_job.make_dpo_step_fns(UpdateConfig(model=model), BETA)
+    fns = dpo_job.make_dpo_step_fns(UpdateConfig(Forward(model)), BETA)
 
     # The cause: rows padded with an out-of-vocabulary id score NaN, padding rows and real rows alike.
     bad_c = make_token_batch([p.chosen for p in pairs], 32, 4, pad_id=VOCAB)

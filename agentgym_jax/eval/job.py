@@ -27,7 +27,7 @@ import ml_collections
 
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.job import setup
+from agentgym_jax.job import settings, setup
 from agentgym_jax.models import fetch
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import load_config
@@ -158,7 +158,7 @@ def make_policy(
     else:
         dtype = jnp.dtype(config.model.param_dtype)
         params = setup.checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
-    rollout = setup.rollout_config(config, temperature=config.temperature, group_size=1)
+    rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
     sampler = setup.make_sampler(config, model, framing, rollout)
     return ModelPolicy(sampler, framing, params, rollout), framing
 

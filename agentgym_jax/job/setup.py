@@ -39,8 +39,8 @@ from agentgym_jax.models import decoder, fetch, hf_checkpoint, tuning
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
-from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.job import settings
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
 from agentgym_jax.parallel.mesh import local_mesh, make_mesh
@@ -270,31 +270,10 @@ def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: 
     return partition.sharded_init(init, rng, mesh)
 
 
-def tuning_of(config: ml_collections.ConfigDict) -> tuning.Tuning:
-    """What trains (`config.model.lora_rank`, `lora_alpha`, `lora_targets`, `trainable_layers`)."""
-    m = config.model
-    targets = m.get("lora_targets", "q,k,v,o,gate,up,down")
-    try:
-        return tuning.Tuning(
-            lora_rank=m.get("lora_rank", 0), lora_alpha=m.get("lora_alpha", 16.0),
-            lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if isinstance(targets, str) else tuple(targets),
-            trainable_layers=m.get("trainable_layers", 0),
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.model: {e}") from e
-
-
-def require_untuned(config: ml_collections.ConfigDict) -> None:
-    """A one-line error for the modes that train every parameter (agentevol, dpo)."""
-    if not tuning_of(config).full:
-        raise ConfigError(f"mode={config.mode} trains every parameter: model.lora_rank and model.trainable_layers "
-                          "must be 0 (they are supported by mode=rl and mode=sft)")
-
-
 def split_params(config: ml_collections.ConfigDict, params, mesh: jax.sharding.Mesh, rng: jax.Array):
     """(trainable, frozen) of a policy's `params` as `config.model` tunes it (`models/tuning.py`),
     placed over `mesh`; the frozen part in the compute dtype. Untuned: (params, {})."""
-    spec = tuning_of(config)
+    spec = settings.tuning(config)
     if spec.full:
         return params, {}
     split = functools.partial(tuning.split, tuning=spec, frozen_dtype=jnp.dtype(config.model.compute_dtype))
@@ -311,7 +290,7 @@ def policy_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, pa
     per rollout), placed over `mesh` like any policy. Untuned: `params` as they are."""
     if not frozen:
         return params
-    merged = _merge(tuning_of(config).lora_scale, config.model.compute_dtype)(params, frozen)
+    merged = _merge(settings.tuning(config).lora_scale, config.model.compute_dtype)(params, frozen)
     return jax.device_put(merged, partition.param_shardings(merged, mesh))
 
 
@@ -348,24 +327,6 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
     return jax.tree.map(distributed.rows_from_host, params, shardings)
 
 
-def rollout_config(
-    config: ml_collections.ConfigDict, temperature: float | None = None, group_size: int | None = None
-) -> RolloutConfig:
-    r = config.rollout
-    return RolloutConfig(
-        group_size=r.group_size if group_size is None else group_size,
-        max_tokens_per_turn=r.max_tokens_per_turn,
-        max_response_length=r.max_response_length,
-        invalid_action_limit=r.invalid_action_limit or None,
-        temperature=r.temperature if temperature is None else temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
-        num_slots=r.num_slots,
-        decode_chunk=r.decode_chunk,
-    )
-
-
 def make_engine(
     config: ml_collections.ConfigDict,
     model: ModelConfig,
@@ -378,14 +339,6 @@ def make_engine(
     return RolloutEngine(make_sampler(config, model, framing, rollout), framing, make_pool(config.env, urls), info, rollout)
 
 
-def attention_kernels(config: ml_collections.ConfigDict) -> AttentionKernels:
-    """`config.model.attention_kernel` (training rows) and `decode_kernel` resolved for this backend."""
-    try:
-        return AttentionKernels.for_backend(config.model.attention_kernel, config.model.decode_kernel)
-    except ValueError as e:
-        raise ConfigError(f"config.model: {e}") from e
-
-
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
     """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
@@ -393,7 +346,7 @@ def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing:
     sampling = rollout.sampling_config(framing)
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
-        dtype=config.model.compute_dtype, kernels=attention_kernels(config),
+        dtype=config.model.compute_dtype, kernels=settings.attention_kernels(config),
     )
 
 

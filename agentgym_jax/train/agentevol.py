@@ -42,9 +42,9 @@ from agentgym_jax.job import setup
 from agentgym_jax.parallel.distributed import is_writer, process_share
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
-from agentgym_jax.train.jobs import (
-    episode_texts, evaluate, optim_config, play_oracle, task_batch, update_config,
-)
+from agentgym_jax.job import settings as job_settings
+from agentgym_jax.train import settings
+from agentgym_jax.train.jobs import episode_texts, evaluate, play_oracle, task_batch
 from agentgym_jax.train.sft import sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
@@ -74,7 +74,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
                          f"group_size ({evol.group_size}) >= 1")
     with contextlib.ExitStack() as stack:
-        setup.require_untuned(config)
+        job_settings.require_untuned(config)
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
         demos_path = workdir / "demonstrations.jsonl"
@@ -93,7 +93,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
                 write_jsonl(str(demos_path), demos, append=False)
         model = setup.model_config(config, len(framing.tokenizer))
         setup.write_model_config(workdir, model)
-        updates = update_config(config, model)
+        updates = settings.update(config, model)
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
         explore_share, explore_first = process_share(explore_ids, "agentevol.explore_tasks", even=False)
@@ -101,11 +101,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         phases = TrainingPhases(config, updates, mesh)
         state, _ = phases.fresh_state(base_params, rows=len(demos), epochs=config.sft.epochs)
         eval_engine = stack.enter_context(setup.make_engine(
-            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+            config, model, framing, job.urls, info, job_settings.rollout(config, temperature=config.eval.temperature, group_size=1)
         ))
         explore_engine = stack.enter_context(setup.make_engine(
             config, model, framing, job.urls, info,
-            setup.rollout_config(config, temperature=evol.temperature, group_size=evol.group_size),
+            job_settings.rollout(config, temperature=evol.temperature, group_size=evol.group_size),
         ))
         sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
 
@@ -176,7 +176,7 @@ class TrainingPhases:
         updates = epochs * -(-rows // config.sft.batch_size)
         key = 0 if config.optim.lr_schedule == "constant" else updates
         if key not in self._optimizers:
-            self._optimizers[key] = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+            self._optimizers[key] = make_optimizer(settings.optim(config, updates, lr=config.sft.lr))
         state = TrainState.create(params, self._optimizers[key], jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, self._mesh)
         if key not in self._step_fns:

@@ -43,7 +43,9 @@ from agentgym_jax.rl.dpo import dpo_loss
 from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
-from agentgym_jax.train.jobs import check_token_ids, optim_config, task_batch, update_config
+from agentgym_jax.job import settings as job_settings
+from agentgym_jax.train import settings
+from agentgym_jax.train.jobs import check_token_ids, task_batch
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
 from agentgym_jax.train.steps import UpdateConfig, token_logprobs, train_state_shardings
@@ -65,7 +67,7 @@ def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, config:
     """
     tokens = jnp.concatenate([chosen.tokens, rejected.tokens])  # [2 * pairs, seq]
     positions = jnp.concatenate([chosen.positions, rejected.positions])
-    logprobs = token_logprobs(params, tokens, positions, config)[0]
+    logprobs = token_logprobs(params, tokens, positions, config.forward)[0]
     return logprobs[: chosen.tokens.shape[0]], logprobs[chosen.tokens.shape[0] :]
 
 
@@ -127,7 +129,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     if not pairs:
         raise ConfigError(f"no preference pairs in {paths}: no task has both a success and a failure")
     with contextlib.ExitStack() as stack:
-        setup.require_untuned(config)
+        job_settings.require_untuned(config)
         job = stack.enter_context(setup.open_job(config, servers=False))
         workdir, mesh = job.workdir, job.mesh
         init = pathlib.Path(config.init) if config.init else None
@@ -145,12 +147,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         if is_writer() and not (workdir / "tokenizer").exists():  # mode=eval reads <workdir>/tokenizer
             tokenizer.save_pretrained(str(workdir / "tokenizer"))
         barrier("dpo-tokenizer")
-        tx = make_optimizer(optim_config(config.optim, config.train.steps))
+        tx = make_optimizer(settings.optim(config, config.train.steps))
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2))
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
-        updates = update_config(config, model)
-        ref_params = reference_params(state.params, updates.compute_dtype)
+        updates = settings.update(config, model)
+        ref_params = reference_params(state.params, updates.forward.compute_dtype)
         fns = make_dpo_step_fns(updates, config.dpo.beta, mesh, shardings)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)

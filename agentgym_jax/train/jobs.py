@@ -16,20 +16,17 @@ from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import EnvPool, Episode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
+from agentgym_jax.job import settings as job_settings
 from agentgym_jax.job import setup
 from agentgym_jax.models import decoder
-from agentgym_jax.models.config import ModelConfig, load_config
 from agentgym_jax.parallel.distributed import gather_objects, process_share
 from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.rollout.rl_batch import BatchFilter
+from agentgym_jax.train import settings
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import UpdateConfig, train_state_shardings
-
-GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # estimators whose baseline is the task's group
-
 
 def task_batch(train_ids: Sequence[int], step: int, batch_tasks: int, seed: int) -> list[int]:
     """The tasks of step `step`: consecutive slices of per-epoch seeded permutations."""
@@ -140,125 +137,28 @@ def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
     return [info.instruction] + [text for share in gather_objects(local) for text in share]
 
 
-def optim_config(optim: ml_collections.ConfigDict, total_updates: int, lr: float | None = None) -> ml_collections.ConfigDict:
-    """`optim` with the schedule length (and optionally the learning rate) of one training phase."""
-    out = ml_collections.ConfigDict(optim.to_dict())
-    out.total_updates = total_updates
-    if lr is not None:
-        out.lr = lr
-    return out
-
-
-def rl_temperature(config: ml_collections.ConfigDict) -> float:
-    """The temperature the RL trainer applies to its logits: the rollout's, which must sample the
-    whole distribution (the trainer cannot reproduce top-k / top-p filtering, nor learn from
-    greedy samples)."""
-    r = config.rollout
-    if r.temperature <= 0:
-        raise ConfigError(f"RL needs rollout.temperature > 0 (0 is greedy decoding), got {r.temperature}")
-    if r.top_k != 0 or r.top_p != 1.0:
-        raise ConfigError(
-            f"RL samples must come from the full distribution the trainer computes: rollout.top_k must be 0 "
-            f"and rollout.top_p 1.0 (off), got top_k={r.top_k}, top_p={r.top_p}"
-        )
-    return float(r.temperature)
-
-
-def update_config(config: ml_collections.ConfigDict, model: ModelConfig, temperature: float = 1.0) -> UpdateConfig:
-    """`config.algo` as an `UpdateConfig` (`temperature`: `rl_temperature(config)` for RL).
-
-    Optional values use 0 for "off" / "the default" in configs (`dual_clip_c`, `loss_norm_length`,
-    `advantage_epsilon`).
-    """
-    a = config.algo
-    try:
-        return UpdateConfig(
-            model=model,
-            advantage=a.advantage,
-            advantage_epsilon=a.advantage_epsilon or None,
-            gamma=a.gamma,
-            lam=a.lam,
-            discount=a.discount,
-            whiten=a.whiten,
-            ppo_epochs=a.ppo_epochs,
-            num_minibatches=a.num_minibatches,
-            num_microbatches=a.num_microbatches,
-            length_buckets=a.length_buckets,
-            policy_loss=a.policy_loss,
-            clip_eps_low=a.clip_eps_low,
-            clip_eps_high=a.clip_eps_high,
-            dual_clip_c=a.dual_clip_c or None,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
-            kl_in_reward=a.kl_in_reward,
-            entropy_coef=a.entropy_coef,
-            vf_coef=a.vf_coef,
-            clip_eps_value=a.clip_eps_value,
-            critic=a.critic,
-            critic_model=load_config(a.critic_dir) if a.critic_dir else None,
-            agg_mode=a.agg_mode,
-            loss_norm_length=a.loss_norm_length or None,
-            temperature=temperature,
-            is_correction=a.is_correction,
-            decoupled_ppo=a.decoupled_ppo,
-            is_cap=a.is_cap,
-            compute_dtype=config.model.compute_dtype,
-            remat=config.model.remat,
-            logprob_chunk=config.model.logprob_chunk,
-            kernels=setup.attention_kernels(config),
-            lora_scale=setup.tuning_of(config).lora_scale,
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.algo: {e}") from e
-
-
 def critic_states(
     config: ml_collections.ConfigDict, update: UpdateConfig, mesh: jax.sharding.Mesh, policy_params, tx=None
 ) -> list[TrainState]:
-    """`[critic_state]` with a separate critic (`update.separate_critic`), else `[]`.
+    """`[critic_state]` with a separate critic (`update.rl.separate_critic`), else `[]`.
 
     `tx`: the optimizer of an earlier critic state, to keep (a new one is a new compilation).
     PPO's separate critic, placed on `mesh`: the backbone of `algo.critic_dir` (a Hugging Face
     folder) or a copy of `policy_params`, a new value head, and its own optimizer (`algo.critic_lr`,
     0: `optim.lr`; its schedule spans the RL phase's optimizer updates, like the policy's).
     """
-    if not update.separate_critic:
+    if not update.rl.separate_critic:
         return []
-    if not setup.tuning_of(config).full:
+    if not job_settings.tuning(config).full:
         raise ConfigError("algo.critic=separate copies the whole policy: it does not combine with model.lora_rank or "
                           "model.trainable_layers (use algo.critic=shared)")
     dtype = jnp.dtype(config.model.param_dtype)
-    model = update.critic_model or update.model
+    model = update.rl.critic_model or update.forward.model
     if config.algo.critic_dir:
         backbone = setup.pretrained_params(config.algo.critic_dir, model, dtype, mesh)
     else:
         backbone = {name: jax.tree.map(jnp.copy, p) for name, p in policy_params.items() if name != "value_head"}
     head = decoder.init_value_head(model, jax.random.PRNGKey(config.seed + 4), param_dtype=dtype)
-    optim = ml_collections.ConfigDict(config.optim.to_dict())
-    optim.total_updates = config.train.steps * update.updates_per_step
-    optim.lr = config.algo.critic_lr or config.optim.lr
-    tx = tx or make_optimizer(optim)
+    tx = tx or make_optimizer(settings.rl_optim(config, update.batching.updates_per_step, lr=config.algo.critic_lr or config.optim.lr))
     state = TrainState.create({**backbone, "value_head": head}, tx, jax.random.PRNGKey(config.seed + 5))
     return [jax.device_put(state, train_state_shardings(state, mesh))]
-
-
-def batch_filter(config: ml_collections.ConfigDict) -> BatchFilter:
-    """Which rollout episodes train (`rollout/rl_batch.py`), from `config.algo` and the token budget."""
-    a = config.algo
-    try:
-        return BatchFilter(
-            grouped=a.advantage in GROUP_BASELINES,
-            dynamic_sampling=a.dynamic_sampling,
-            overlong=a.overlong,
-            max_response_length=config.rollout.max_response_length,
-            overlong_buffer=a.overlong_buffer,
-            overlong_penalty=a.overlong_penalty,
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.algo: {e}") from e
-
-
-def rl_optim_config(config: ml_collections.ConfigDict, updates_per_step: int) -> ml_collections.ConfigDict:
-    """The RL phase's optimizer settings: its schedule (warm-up and decay) counts optimizer updates,
-    `updates_per_step` (ppo_epochs x num_minibatches) per RL step, over `train.steps` steps."""
-    return optim_config(config.optim, config.train.steps * updates_per_step)

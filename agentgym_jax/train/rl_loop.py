@@ -31,10 +31,8 @@ from agentgym_jax.parallel.distributed import (
 )
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
-from agentgym_jax.train.jobs import (
-    batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
-    rollout_metrics, task_batch, update_config,
-)
+from agentgym_jax.job import settings as job_settings
+from agentgym_jax.train.jobs import critic_states, episode_texts, evaluate, play_oracle, rollout_metrics, task_batch
 from agentgym_jax.train import rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import sft_num_updates, sft_train
@@ -61,11 +59,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
         model = setup.model_config(config, len(framing.tokenizer))
         setup.write_model_config(workdir, model)
-        updates = update_config(config, model, temperature=rl_temperature(config))
+        updates = settings.update(config, model, with_rl=True)
         rng = jax.random.PRNGKey(config.seed)
-        params = setup.initial_params(config, model, mesh, rng, value_head=updates.shared_value_head)
+        params = setup.initial_params(config, model, mesh, rng, value_head=updates.rl.shared_value_head)
         params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
-        rl_tx = make_optimizer(rl_optim_config(config, updates.updates_per_step))  # schedule in optimizer updates
+        rl_tx = make_optimizer(settings.rl_optim(config, updates.batching.updates_per_step))  # schedule in optimizer updates
         state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
         state_shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
@@ -73,15 +71,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         step_fns = make_step_fns(updates, mesh, state_shardings, *(train_state_shardings(c, mesh) for c in critic))
         test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
         eval_engine = stack.enter_context(setup.make_engine(
-            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
+            config, model, framing, job.urls, info, job_settings.rollout(config, temperature=config.eval.temperature, group_size=1)
         ))
-        train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, setup.rollout_config(config)))
+        train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, job_settings.rollout(config)))
         def sampler_params(state: TrainState):  # the merged policy on this process's devices
             return setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
 
         if resuming:
             (state, ref_params, *critic), meta = ckpt.restore(
-                (state, reference_params(params, updates.compute_dtype), *critic))
+                (state, reference_params(params, updates.forward.compute_dtype), *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -93,7 +91,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                     write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
                 successes = [d for d in demos if d.success]
                 sft_updates = sft_num_updates(len(successes), config.sft.batch_size, config.sft.epochs)
-                sft_tx = make_optimizer(optim_config(config.optim, sft_updates, lr=config.sft.lr))
+                sft_tx = make_optimizer(settings.optim(config, sft_updates, lr=config.sft.lr))
                 sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3), frozen=state.frozen)
                 sft_state, history = sft_train(
                     sft_state, successes, updates,
@@ -104,7 +102,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 state = state.replace(params=sft_state.params, frozen=sft_state.frozen,  # both donated through SFT
                                       opt_state=fresh_opt(sft_state.params))
                 meta["sft_final_nll"] = history[-1]["nll"]
-            ref_params = reference_params(state.params, updates.compute_dtype)
+            ref_params = reference_params(state.params, updates.forward.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
             meta["eval_before"] = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon,
@@ -130,7 +128,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             rollout_s = time.time() - t0
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
-                trajectories, step_fns.padded_rows, mesh, batch_filter(config))  # empty rows: rows divide over the mesh
+                trajectories, step_fns.padded_rows, mesh, settings.batch_filter(config))  # empty rows: rows divide over the mesh
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
                                                      *(c.params for c in critic))

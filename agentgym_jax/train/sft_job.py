@@ -39,7 +39,9 @@ from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
-from agentgym_jax.train.jobs import check_token_ids, evaluate, optim_config, update_config
+from agentgym_jax.job import settings as job_settings
+from agentgym_jax.train import settings
+from agentgym_jax.train.jobs import check_token_ids, evaluate
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings
@@ -118,11 +120,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                                     config.train.steps, config.seed)
         params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
         params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
-        tx = make_optimizer(optim_config(config.optim, config.train.steps))
+        tx = make_optimizer(settings.optim(config, config.train.steps))
         state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
         shardings = train_state_shardings(state, mesh)
         state = jax.device_put(state, shardings)
-        step_fns = make_step_fns(update_config(config, model), mesh, shardings)
+        step_fns = make_step_fns(settings.update(config, model), mesh, shardings)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0
@@ -148,7 +150,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         if config.eval.num_tasks:
             engine = stack.enter_context(setup.make_engine(
                 config, model, framing, job.urls, job.info,
-                setup.rollout_config(config, temperature=config.eval.temperature, group_size=1),
+                job_settings.rollout(config, temperature=config.eval.temperature, group_size=1),
             ))
             test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
             result = evaluate(engine, setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen)), test_ids, config.eval.horizon, config.seed)
