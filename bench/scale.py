@@ -169,7 +169,7 @@ def compile_steps(
     """The four steps of an RL step at the config's shape, compiled for `mesh` (see the docstring);
     with `cpu_proxy` (compiling on the CPU for an accelerator) the sampler's steps carry the temp
     of their float32-cache twins (`float32_cache_twins`)."""
-    updates = settings.update(config, model, with_rl=True)
+    updates = settings.update(config, model, objective="rl")
     param_dtype = jnp.dtype(config.model.param_dtype)
     tx = make_optimizer(settings.optim(config, config.train.steps))
 

@@ -13,7 +13,7 @@ from agentgym_jax.models import hf_checkpoint
 from agentgym_jax.models.decoder import forward, init_params, init_value_head
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.advantages import gae
-from agentgym_jax.train import jobs, settings, steps
+from agentgym_jax.train import build, settings, steps
 from agentgym_jax.train.state import TrainState
 from tests.updates import update as make_update
 
@@ -84,12 +84,12 @@ def test_critic_state_starts_from_the_policy_or_a_folder(source, tmp_path):
         source_params = init_params(MODEL, jax.random.PRNGKey(9))
         hf_checkpoint.save_pretrained(source_params, MODEL, tmp_path)
         config.algo.critic_dir = str(tmp_path)
-    update = settings.update(config, MODEL, with_rl=True)
+    update = settings.update(config, MODEL, objective="rl")
     assert update.rl.separate_critic and not update.rl.shared_value_head
     assert (update.rl.critic_model is None) == (source == "policy")
-    [critic] = jobs.critic_states(config, update, make_mesh(1, -1, 1), policy)
+    [critic] = build.critic_states(config, update, make_mesh(1, -1, 1), policy)
     assert set(critic.params) == set(policy) | {"value_head"}
     for name in policy:
         jax.tree.map(np.testing.assert_array_equal, critic.params[name], source_params[name])
-    assert jobs.critic_states(load_config_file("configs/quickstart.py"), settings.update(
-        load_config_file("configs/quickstart.py"), MODEL, with_rl=True), make_mesh(1, -1, 1), policy) == []
+    assert build.critic_states(load_config_file("configs/quickstart.py"), settings.update(
+        load_config_file("configs/quickstart.py"), MODEL, objective="rl"), make_mesh(1, -1, 1), policy) == []

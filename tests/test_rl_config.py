@@ -57,7 +57,7 @@ def test_every_algo_key_reaches_the_update_and_every_override_arrives():
     assert set(parse().algo.keys()) - NOT_UPDATE <= fields | hparams
     assert set(OVERRIDES) == set(parse().algo.keys()) - NOT_UPDATE
     config = parse(*(f"--config.algo.{key}={value}" for key, value in OVERRIDES.items()))
-    update, rules = settings.update(config, MODEL, with_rl=True), settings.batch_filter(config)
+    update, rules = settings.update(config, MODEL, objective="rl"), settings.batch_filter(config)
     read = {**dict(update.rl.advantage_hparams), **dict(update.rl.loss_hparams)}
     for key, value in OVERRIDES.items():
         part = next((p for p in (update.batching, update.rl, rules) if hasattr(p, key)), None)
@@ -67,11 +67,11 @@ def test_every_algo_key_reaches_the_update_and_every_override_arrives():
 
 
 def test_zero_means_off_for_optional_values_and_an_estimator_reads_only_what_it_declares():
-    update = settings.update(parse(), MODEL, with_rl=True)
+    update = settings.update(parse(), MODEL, objective="rl")
     assert update.rl.advantage == "grpo" and update.rl.advantage_hparams == ()  # gamma, lam, whiten: GAE's
     assert dict(update.rl.loss_hparams) == {"clip_eps_low": 0.2, "clip_eps_high": 0.2}  # dual_clip_c=0: off
     assert update.batching.loss_norm_length is None and update.rl.decoupled_ppo is False
-    gae = settings.update(parse("--config.algo.advantage=gae", "--config.algo.lam=0.9"), MODEL, with_rl=True)
+    gae = settings.update(parse("--config.algo.advantage=gae", "--config.algo.lam=0.9"), MODEL, objective="rl")
     assert dict(gae.rl.advantage_hparams) == {"gamma": 1.0, "lam": 0.9, "discount": "token", "whiten": True}
 
 
@@ -94,10 +94,10 @@ def test_zero_means_off_for_optional_values_and_an_estimator_reads_only_what_it_
 ])
 def test_bad_update_values_are_config_errors(overrides, message):
     if message is None:  # a valid combination: dual clip is a hyper-parameter of GSPO's loss too
-        assert dict(settings.update(parse(*overrides), MODEL, with_rl=True).rl.loss_hparams)["dual_clip_c"] == 2.0
+        assert dict(settings.update(parse(*overrides), MODEL, objective="rl").rl.loss_hparams)["dual_clip_c"] == 2.0
         return
     with pytest.raises(ConfigError, match=message):
-        settings.update(parse(*overrides), MODEL, with_rl=True)
+        settings.update(parse(*overrides), MODEL, objective="rl")
 
 
 def test_bad_filter_values_are_config_errors():
@@ -120,7 +120,7 @@ def test_every_rl_config_builds_its_update_filter_and_schedules(name):
 
     config = load_config_file(f"configs/{name}")
     assert config.mode == "rl"
-    update = settings.update(config, MODEL, with_rl=True)
+    update = settings.update(config, MODEL, objective="rl")
     settings.batch_filter(config)
     schedule = from_config(config.horizon)
     assert schedule.horizon(config.train.steps - 1) <= config.eval.horizon  # held out at least the trained horizon
@@ -193,7 +193,7 @@ def test_the_documented_new_estimator_is_one_file_one_entry_and_its_config_key(m
     config = load_config_file("configs/quickstart.py")
     config.algo.scale = 0.5  # the config key the page adds
     config.algo.advantage, config.algo.kl_coef = name, 0.0
-    update = settings.update(config, STEP_MODEL, with_rl=True)
+    update = settings.update(config, STEP_MODEL, objective="rl")
     assert update.rl.advantage_hparams == (("scale", 0.5),) and not settings.batch_filter(config).grouped
     batch, state = _batch(), _state()
     rl_batch, _ = jax.jit(steps.prepare, static_argnames="config")(state.params, state.params, batch, config=update)
@@ -202,4 +202,4 @@ def test_the_documented_new_estimator_is_one_file_one_entry_and_its_config_key(m
     np.testing.assert_allclose(np.asarray(rl_batch.advantages), want, rtol=1e-5, atol=1e-6)
     config.algo.scale = -1.0
     with pytest.raises(ConfigError, match="scale must be > 0, got -1.0"):
-        settings.update(config, MODEL, with_rl=True)
+        settings.update(config, MODEL, objective="rl")

@@ -9,7 +9,7 @@ import pytest
 from agentgym_jax.config import ConfigError
 from agentgym_jax.rl import curriculum
 from agentgym_jax.train import settings
-from agentgym_jax.train.jobs import task_batch
+from agentgym_jax.job.play import task_batch
 from environments.textcraft.env import TextCraftEnv
 
 

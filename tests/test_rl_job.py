@@ -13,7 +13,7 @@ import pytest
 
 from agentgym_jax.rl.horizon import stepwise
 from agentgym_jax.train.metrics import read_metrics
-from agentgym_jax.train.jobs import task_batch
+from agentgym_jax.job.play import task_batch
 from environments.room.env import RoomEnv
 from tests.rl_runs import TINY_RL_JOB, launch_command
 from tests.test_metrics import _tensorboard_scalars

@@ -51,7 +51,7 @@ def quickstart(**overrides):
 def test_rl_cosine_schedule_lasts_until_the_last_update(warmup_steps):
     config = quickstart(**{"optim.lr_schedule": "cosine", "optim.warmup_steps": warmup_steps, "train.steps": 24,
                            "algo.ppo_epochs": 2, "algo.num_minibatches": 2})
-    update_config = settings.update(config, MODEL, with_rl=True)
+    update_config = settings.update(config, MODEL, objective="rl")
     assert update_config.batching.updates_per_step == 4
     rates = learning_rates(make_optimizer(settings.rl_optim(config, update_config.batching.updates_per_step)), 24 * 4 + 1)
     assert min(rates[:96]) > 0 and rates[95] < 1e-3 * config.optim.lr  # > 0 until the last update ...
@@ -64,7 +64,7 @@ def test_an_rl_step_makes_the_updates_the_schedule_counts():
     from test_train_steps import _batch  # a small random RL batch
 
     config = quickstart(**{"algo.ppo_epochs": 2, "algo.num_minibatches": 2, "algo.kl_coef": 0.0})
-    update_config = settings.update(config, MODEL, with_rl=True)
+    update_config = settings.update(config, MODEL, objective="rl")
     tx = make_optimizer(settings.rl_optim(config, update_config.batching.updates_per_step))
     state = TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
     fns = make_step_fns(update_config)

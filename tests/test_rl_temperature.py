@@ -61,7 +61,7 @@ def test_rl_temperature_is_the_rollouts_and_filtering_is_refused():
     config.rollout.temperature = 0.8
     assert settings.rl_temperature(config) == 0.8
     model = ModelConfig.small()
-    assert settings.update(config, model, with_rl=True).rl.temperature == 0.8
+    assert settings.update(config, model, objective="rl").rl.temperature == 0.8
     for key, value, message in [("top_p", 0.9, "top_p 1.0 .off., got top_k=0, top_p=0.9"),
                                 ("top_k", 20, "top_k must be 0"), ("temperature", 0.0, "0 is greedy")]:
         bad = load_config_file("configs/quickstart.py")

@@ -26,7 +26,7 @@ from agentgym_jax.rl.curriculum import Curriculum
 from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
-from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig
+from agentgym_jax.train.steps import Batching, DPOSpec, Forward, RLSpec, UpdateConfig
 
 # Hyper-parameters whose config key is not their name (a bare `epsilon` would say nothing of which).
 CONFIG_KEYS = {"epsilon": "advantage_epsilon"}
@@ -95,10 +95,24 @@ def rl(config: ml_collections.ConfigDict) -> RLSpec:
     )
 
 
-def update(config: ml_collections.ConfigDict, model: ModelConfig, with_rl: bool = False) -> UpdateConfig:
-    """The update of `model` the config describes: behaviour cloning (SFT, AgentEvol), or with the
-    RL objective (`with_rl`, mode=rl)."""
-    return UpdateConfig(forward(config, model), batching(config), rl(config) if with_rl else None)
+OBJECTIVES = ("sft", "rl", "dpo")
+
+
+def update(config: ml_collections.ConfigDict, model: ModelConfig, objective: str = "sft") -> UpdateConfig:
+    """The update of `model` the config describes, for behaviour cloning (`"sft"`: mode=sft,
+    AgentEvol), or also RL's objective (`"rl"`, whose warm start clones too) or DPO's (`"dpo"`)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
+    return UpdateConfig(forward(config, model), batching(config), rl(config) if objective == "rl" else None,
+                        dpo(config) if objective == "dpo" else None)
+
+
+def dpo(config: ml_collections.ConfigDict) -> DPOSpec:
+    """`config.dpo` (`beta`)."""
+    try:
+        return DPOSpec(beta=config.dpo.beta)
+    except ValueError as e:
+        raise ConfigError(f"config.dpo: {e}") from e
 
 
 def rl_temperature(config: ml_collections.ConfigDict) -> float:

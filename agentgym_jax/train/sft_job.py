@@ -33,18 +33,15 @@ import numpy as np
 from absl import logging
 
 from agentgym_jax.config import ConfigError
-from agentgym_jax.job import setup
+from agentgym_jax.job import play, setup
 from agentgym_jax.parallel.distributed import is_writer, rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.batch import bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
-from agentgym_jax.job import settings as job_settings
-from agentgym_jax.train import settings
-from agentgym_jax.train.jobs import check_token_ids, evaluate
+from agentgym_jax.train import build, settings
 from agentgym_jax.train.metrics import MetricsLogger
-from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import make_step_fns, train_state_shardings
+from agentgym_jax.train.state import make_optimizer
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -108,23 +105,20 @@ def load_rows(config: ml_collections.ConfigDict, framing) -> dict[str, list[Traj
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
+        # The job (servers only for a final evaluation), the tokenizer and model, the data and its schedule.
         job = stack.enter_context(setup.open_job(config, servers=bool(config.eval.num_tasks)))
         workdir, mesh = job.workdir, job.mesh
-        framing = setup.tokenizer_and_framing(config, workdir, _conversation_texts(config))
+        framing, model = setup.tokenizer_and_model(config, workdir, _conversation_texts(config))
         rows = load_rows(config, framing)
-        model = setup.model_config(config, len(framing.tokenizer))
-        check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
-        setup.write_model_config(workdir, model)
+        setup.check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
         weights = parse_weights(config.data.weights) or {e: float(len(r)) for e, r in rows.items()}
         schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
                                     config.train.steps, config.seed)
+
+        # The policy (LoRA or top layers where `config.model` says) and its update; resume.
         params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
         tx = make_optimizer(settings.optim(config, config.train.steps))
-        state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
-        shardings = train_state_shardings(state, mesh)
-        state = jax.device_put(state, shardings)
-        step_fns = make_step_fns(settings.update(config, model), mesh, shardings)
+        state, step_fns = build.policy_state(config, settings.update(config, model), params, mesh, tx)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0
@@ -132,6 +126,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, _), _ = ckpt.restore((state, {}))
             logging.info("resumed SFT at step %d", start)
 
+        # The steps: each batch the schedule's rows, padded to its own length bucket.
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer(),
                                desc="sft")
         for step in range(start, config.train.steps):
@@ -146,17 +141,15 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
 
+        # An evaluation on held-out tasks of `env.name`, where asked.
         result = {}
         if config.eval.num_tasks:
-            engine = stack.enter_context(setup.make_engine(
-                config, model, framing, job.urls, job.info,
-                job_settings.rollout(config, temperature=config.eval.temperature, group_size=1),
-            ))
-            test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
-            result = evaluate(engine, setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen)), test_ids, config.eval.horizon, config.seed)
+            held_out = play.HeldOut.of(config, job, model, framing)
+            policy = setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+            result = held_out(policy, workdir / "eval.jsonl", "eval")
             if is_writer():
                 (workdir / "eval.json").write_text(json.dumps(result, indent=2))
-                print(f"summary: env={job.info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
+                print(f"summary: env={job.info.env} heldout_tasks={len(held_out.task_ids)} success={result['success_rate']:.3f}")
     return result
 
 

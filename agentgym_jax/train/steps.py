@@ -50,6 +50,7 @@ from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, Estimator, compute_advantages
 from agentgym_jax.rl.correction import IS_LEVELS, importance_weights
+from agentgym_jax.rl.dpo import dpo_loss
 from agentgym_jax.rl.kl import KL_ESTIMATORS, apply_kl_penalty, kl_loss
 from agentgym_jax.rl.losses import POLICY_LOSSES, PolicyLoss, entropy_from_logits, value_loss
 from agentgym_jax.rl.masked import LOSS_AGG_MODES, aggregate_loss, masked_count, masked_mean
@@ -210,13 +211,29 @@ class RLSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DPOSpec:
+    """Direct Preference Optimization (`rl/dpo.py`): `beta`, the temperature of the implicit reward."""
+
+    beta: float = 0.1
+
+    def __post_init__(self):
+        _at_least(0, True, beta=self.beta)
+
+
+@dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """One update: the forward pass, the batching, and the RL objective (None: behaviour cloning
-    only, as SFT trains); hashable, so it is a static argument of the jitted steps."""
+    """One update: the forward pass, the batching, and the objective besides behaviour cloning
+    (which every config has: SFT), RL's or DPO's; hashable, so it is a static argument of the
+    jitted steps."""
 
     forward: Forward
     batching: Batching = Batching()
     rl: RLSpec | None = None
+    dpo: DPOSpec | None = None
+
+    def __post_init__(self):
+        if self.rl is not None and self.dpo is not None:
+            raise ValueError("an update has one objective besides behaviour cloning: rl or dpo, not both")
 
 
 @flax.struct.dataclass
@@ -434,6 +451,62 @@ def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.
     return loss, {"loss": loss, "nll": loss}
 
 
+@flax.struct.dataclass
+class DPOBatch:
+    """Preference pairs: row i of `chosen` and of `rejected` are pair i (`train/dpo_pairs.py`)."""
+
+    chosen: TokenBatch  # [pairs, seq]
+    rejected: TokenBatch  # [pairs, seq], the same shape
+    chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
+    rejected_ref_logprobs: jax.Array  # [pairs, seq]
+
+    # What the micro-batched update reads of a batch, per pair: the tokens a pair trains (the
+    # chosen row's, where both rows have one: `rl.dpo.dpo_loss`'s valid pairs) and its length.
+    @property
+    def loss_mask(self) -> jax.Array:
+        valid = jnp.any(self.chosen.loss_mask > 0, axis=-1) & jnp.any(self.rejected.loss_mask > 0, axis=-1)
+        return self.chosen.loss_mask * valid[..., None]
+
+    @property
+    def positions(self) -> jax.Array:
+        return jnp.maximum(self.chosen.positions, self.rejected.positions)
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.chosen.tokens
+
+
+def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward) -> tuple[jax.Array, jax.Array]:
+    """Log-probs of every token of the chosen and rejected rows, each [pairs, seq].
+
+    One forward over the rows of both (`[2 * pairs, seq]`): half the program of two forwards, so
+    the update compiles in about half the time.
+    """
+    tokens = jnp.concatenate([chosen.tokens, rejected.tokens])  # [2 * pairs, seq]
+    positions = jnp.concatenate([chosen.positions, rejected.positions])
+    logprobs = token_logprobs(params, tokens, positions, forward)[0]
+    return logprobs[: chosen.tokens.shape[0]], logprobs[chosen.tokens.shape[0] :]
+
+
+def dpo_reference(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
+    """The frozen reference's log-probs of the chosen and rejected rows, each [pairs, seq], one
+    micro-batch (of the update's size) at a time, without gradient."""
+    parts = config.batching.num_microbatches
+    check_microbatches(chosen.tokens.shape[0], _one_minibatch(config))
+    scored = jax.lax.map(lambda pair: pair_logprobs(ref_params, *pair, config.forward), _split((chosen, rejected), parts))
+    return jax.lax.stop_gradient(_merge(scored))
+
+
+def dpo_objective(params: Any, batch: DPOBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """The DPO loss of `rl/dpo.py` under `params` (mean over valid pairs), and its metrics."""
+    chosen_logprobs, rejected_logprobs = pair_logprobs(params, batch.chosen, batch.rejected, config.forward)
+    loss, metrics = dpo_loss(
+        chosen_logprobs, batch.chosen_ref_logprobs, batch.chosen.loss_mask,
+        rejected_logprobs, batch.rejected_ref_logprobs, batch.rejected.loss_mask, beta=config.dpo.beta,
+    )
+    return loss, {**metrics, "loss": loss}
+
+
 def _share(loss_mask: jax.Array, agg_mode: str) -> jax.Array:
     """[num_micro] weights making the weighted sum of micro-batch losses equal the full loss."""
     if agg_mode == "token-mean":
@@ -538,12 +611,13 @@ def check_microbatches(rows: int, config: UpdateConfig) -> None:
 
 
 def accumulated_update(
-    state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
+    state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig, agg_mode: str | None = None
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
     (grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
     trains no token is not run). Gradients are of `state.params` only (tuned: `state.frozen` is
-    merged in for the forward pass and gets none).
+    merged in for the forward pass and gets none). Micro-batches weigh by their share of the
+    batch's loss tokens or rows, as `agg_mode` (default: the batching's) sums the loss.
 
     The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
@@ -553,7 +627,7 @@ def accumulated_update(
         order = _length_order(batch, batching.num_microbatches)
         batch = jax.tree.map(lambda x: x[order], batch)
     micro = _split(batch, batching.num_microbatches)
-    weights = _share(micro.loss_mask, batching.agg_mode)
+    weights = _share(micro.loss_mask, agg_mode or batching.agg_mode)
 
     def trainable_loss(params, micro_batch):
         return loss_fn(tuning.combine(params, state.frozen) if state.frozen else params, micro_batch, config=config)
@@ -610,11 +684,22 @@ def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: Update
     return state, metrics
 
 
+def _one_minibatch(config: UpdateConfig) -> UpdateConfig:
+    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, num_minibatches=1))
+
+
 def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     """One behaviour-cloning update (the batch is one mini-batch), accumulated over `num_microbatches`."""
-    one_minibatch = dataclasses.replace(config, batching=dataclasses.replace(config.batching, num_minibatches=1))
-    check_microbatches(batch.tokens.shape[0], one_minibatch)
+    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
     return accumulated_update(state, batch, sft_loss, config)
+
+
+def dpo_update(state: TrainState, batch: DPOBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """One DPO update (the batch is one mini-batch), accumulated over `num_microbatches` like
+    every other update; micro-batches weigh by their share of the valid pairs (the loss is a mean
+    over pairs), so accumulation gives the whole batch's gradient."""
+    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
+    return accumulated_update(state, batch, dpo_objective, config, agg_mode="seq-mean-token-mean")
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
@@ -654,6 +739,8 @@ class StepFns:
     prepare: Callable[..., tuple[RLBatch, Metrics]] | None = None  # (params, ref_params, batch[, critic_params])
     rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None  # donates the state
     critic_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None
+    dpo_reference: Callable[..., tuple[jax.Array, jax.Array]] | None = None  # (ref_params, chosen, rejected)
+    dpo_update: Callable[[TrainState, DPOBatch], tuple[TrainState, Metrics]] | None = None  # donates the state
 
     def padded_rows(self, rows: int) -> int:
         """The smallest row count >= `rows` that splits evenly over the batch axes."""
@@ -666,8 +753,8 @@ def make_step_fns(
     state_shardings: TrainState | None = None,
     critic_shardings: TrainState | None = None,
 ) -> StepFns:
-    """`sft_update`, and with an RL objective `prepare` and `rl_update` (and, with a separate
-    critic, `critic_update`), jitted.
+    """`sft_update`; with an RL objective `prepare` and `rl_update` (and, with a separate critic,
+    `critic_update`); with DPO's, `dpo_reference` and `dpo_update`: all jitted.
 
     Without a mesh: plain `jax.jit` (one device). With one: explicit `in_shardings` and
     `out_shardings` — the state as `state_shardings` (`train_state_shardings(state, mesh)`; pass
@@ -696,6 +783,11 @@ def make_step_fns(
         sft_update=jit(sft_update, (state, rows), (state, replicated), donate_argnums=0),
         row_shards=1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES),
     )
+    if config.dpo is not None:
+        return dataclasses.replace(
+            fns, dpo_reference=jit(dpo_reference, (params, rows, rows), (rows, rows)),
+            dpo_update=jit(dpo_update, (state, rows), (state, replicated), donate_argnums=0),
+        )
     if config.rl is None:
         return fns
     separate = config.rl.separate_critic
