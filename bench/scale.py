@@ -348,7 +348,7 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
         return out
 
     state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.PRNGKey(0))
-    compute = settings.forward(config, model).compute_dtype
+    compute = settings.forward_pass(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
     write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_rows)

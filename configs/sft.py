@@ -19,7 +19,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config = quickstart.get_config(arg)
     config.mode = "sft"
     config.workdir = "runs/sft"
-    del config.horizon, config.sft  # no RL; the `train` section below is the SFT schedule
+    del config.horizon_schedule, config.sft  # no RL; the `train` section below is the SFT schedule
 
     config.data = ml_collections.ConfigDict()
     config.data.trajectories = ""  # comma-separated trajectory JSONL files (mode=collect output)

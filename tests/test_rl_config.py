@@ -122,7 +122,7 @@ def test_every_rl_config_builds_its_update_filter_and_schedules(name):
     assert config.mode == "rl"
     update = settings.update(config, MODEL, objective="rl")
     settings.batch_filter(config)
-    schedule = from_config(config.horizon)
+    schedule = from_config(config.horizon_schedule)
     assert schedule.horizon(config.train.steps - 1) <= config.eval.horizon  # held out at least the trained horizon
     assert update.batching.updates_per_step >= 1 and config.rollout.max_cache_len > config.rollout.max_response_length
     assert not config.model.get("preset") or config.model.preset in models.PRESETS
@@ -144,10 +144,10 @@ def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env)
 
     config = cpu.get_config(env)
     assert config.env.reward_shaping == ""
-    schedule = from_config(config.horizon)
+    schedule = from_config(config.horizon_schedule)
     stages = [schedule.stage(step) for step in range(config.train.steps)]
-    assert [stages.count(k) for k in range(len(config.horizon.rounds))] == [config.horizon.steps_per_stage] * len(config.horizon.rounds)
-    assert config.sft.max_turns == config.eval.horizon == config.horizon.rounds[-1]
+    assert [stages.count(k) for k in range(len(config.horizon_schedule.horizons))] == [config.horizon_schedule.steps_per_stage] * len(config.horizon_schedule.horizons)
+    assert config.sft.horizon == config.eval.horizon == config.horizon_schedule.horizons[-1]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -166,6 +166,30 @@ def test_a_config_error_found_once_the_job_is_open_ends_in_one_line(tmp_path, ov
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+OLD_CONFIG = """
+from configs import quickstart
+
+def get_config():
+    config = quickstart.get_config()
+    del config.horizon_schedule
+    config.horizon = dict(schedule="fixed", rounds=10)  # as configs were written before the rename
+    return config
+"""
+
+
+@pytest.mark.parametrize("old, new", [("horizon.rounds", "horizon_schedule.horizons"), ("horizon.schedule", "horizon_schedule.kind"),
+                                      ("sft.max_turns", "sft.horizon")])
+def test_an_old_key_is_refused_in_one_line_naming_the_new_one(tmp_path, old, new):
+    value = "(1,2)" if old == "horizon.rounds" else "fixed" if old == "horizon.schedule" else "5"
+    override = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py", f"--config.{old}={value}"]
+    (tmp_path / "old.py").write_text(OLD_CONFIG)
+    old_file = [sys.executable, "-m", "agentgym_jax.launch", f"--config={tmp_path / 'old.py'}"]
+    for command, key, renamed in ((override, old, new), (old_file, "horizon.rounds", "horizon_schedule.horizons")):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines() == [f"config error: config key {key!r} is now {renamed!r}"]
 
 
 def _documented_estimator() -> tuple[str, str]:

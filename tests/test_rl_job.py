@@ -31,7 +31,7 @@ def _command(workdir: pathlib.Path, algo: dict) -> list[str]:
     """A tiny job: every number is as small as the path through the code allows."""
     overrides = {
         **TINY_RL_JOB, "workdir": workdir, "seed": 3, **algo,
-        "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10, "horizon.steps_per_stage": 2,
+        "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10, "horizon_schedule.steps_per_stage": 2,
     }
     return launch_command("configs/quickstart.py", overrides)
 

@@ -16,14 +16,14 @@ import numpy as np
 
 from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
-from agentgym_jax.envs.pool import EnvPool, Episode
+from agentgym_jax.envs.pool import EnvPool, PlayedEpisode
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
-from agentgym_jax.models.chat import ChatFraming
-from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
-from agentgym_jax.progress import Progress
 from agentgym_jax.job import settings
 from agentgym_jax.job.setup import Job, gather_trajectories, make_sampler, process_file
+from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.parallel.distributed import gather_objects, is_writer, process_share
+from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.collect import ModelPolicy, Policy, collect
 from agentgym_jax.rollout.demonstrations import demonstration_trajectory, play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutConfig
@@ -127,10 +127,10 @@ def oracle_train_ids(info: TaskInfo) -> list[int]:
     return ids
 
 
-def oracle_episodes(config: ml_collections.ConfigDict, pool: EnvPool, info: TaskInfo) -> list[Episode]:
+def oracle_episodes(config: ml_collections.ConfigDict, pool: EnvPool, info: TaskInfo) -> list[PlayedEpisode]:
     """This process's share of the oracle episodes of `sft.num_tasks` training tasks (SFT data
     and tokenizer text): tasks with an oracle only, where an environment lists them
-    (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena). An episode stops at `sft.max_turns`,
+    (`metadata["oracle_task_ids"]`: MiniWoB++, TextArena). An episode stops at `sft.horizon`,
     so a demonstration longer than that ends `max_turns`, unsuccessful, and SFT leaves it out.
     `sft.oracle` names another of the environment's oracles (Maze's `local`); a name it lacks, or
     servers that fail every episode, stop the job here with the server's answer. `pool`: unopened,
@@ -140,10 +140,10 @@ def oracle_episodes(config: ml_collections.ConfigDict, pool: EnvPool, info: Task
     if not task_ids:
         return []
 
-    async def play() -> list[Episode]:
+    async def play() -> list[PlayedEpisode]:
         async with pool:
             with Progress("demonstrations", len(task_ids), "episode") as progress:
-                return await play_oracle_episodes(pool, task_ids, horizon=config.sft.max_turns, oracle=config.sft.oracle,
+                return await play_oracle_episodes(pool, task_ids, horizon=config.sft.horizon, oracle=config.sft.oracle,
                                                   action_format=config.rollout.action_format, on_finished=progress.update)
 
     episodes = run_sync(play())
@@ -154,7 +154,7 @@ def oracle_episodes(config: ml_collections.ConfigDict, pool: EnvPool, info: Task
 
 
 def demonstrations(config: ml_collections.ConfigDict, framing: ChatFraming, info: TaskInfo,
-                   episodes: Sequence[Episode]) -> list[Trajectory]:
+                   episodes: Sequence[PlayedEpisode]) -> list[Trajectory]:
     """Every process's oracle `episodes` (`oracle_episodes`) as token-exact trajectories, group id
     the task's place among the `sft.num_tasks` (the same list on every process)."""
     _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
@@ -184,7 +184,7 @@ class HeldOut:
         return sorted(self.job.info.splits["test"])[: self.config.eval.num_tasks]
 
     def __call__(self, params, path: pathlib.Path, desc: str) -> dict:
-        """`evaluation_metrics` of the policy `params` (on this process's devices: `setup.sampler_params`);
+        """`evaluation_metrics` of the policy `params` (on this process's devices: `setup.local_policy`);
         its episodes go to `path` (one file per process), written afresh."""
         policy = ModelPolicy(self.sampler, self.framing, params, self.rollout)
         records = evaluate(policy, self.job.pool(), self.job.info, self.task_ids, path, horizon=self.config.eval.horizon,
@@ -192,7 +192,7 @@ class HeldOut:
         return evaluation_metrics(records)
 
 
-def episode_texts(info: TaskInfo, episodes: Sequence[Episode]) -> list[str]:
+def episode_texts(info: TaskInfo, episodes: Sequence[PlayedEpisode]) -> list[str]:
     """The instruction and every observation and action of every process's `episodes`: what a
     job-built tokenizer learns from (the same text on every process)."""
     local = [text for ep in episodes for text in (ep.first_observation, *(x for t in ep.turns for x in (t.action, t.observation)))]

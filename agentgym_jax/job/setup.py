@@ -12,7 +12,7 @@ Multi-host (architecture rule 12): every process runs the same code. Each one ow
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
 samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its
-compute-dtype weights are copied there once per rollout by `sampler_params`); updates run on
+compute-dtype weights are copied there once per rollout by `local_policy`); updates run on
 the global mesh over global arrays built from every process's rows. Process 0 writes metrics,
 reports and shared files (`distributed.is_writer`); trajectories go to one file per process
 (`process_file`); orbax checkpoints from every process.
@@ -102,7 +102,7 @@ def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     return mesh if jax.process_count() == 1 else local_mesh(mesh)
 
 
-def sampler_params(config: ml_collections.ConfigDict, job: Job, params):
+def local_policy(config: ml_collections.ConfigDict, job: Job, params):
     """The policy weights this process's sampler reads, made once per rollout (every process
     calls it). One process: `params` as they are (the sampler makes its compute-dtype copy on
     the same mesh). Several: a compute-dtype copy without the value head, cast on the global
@@ -445,7 +445,7 @@ def make_engine(
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
     """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
-    compute dtype. Give it params on that mesh (`sampler_params`)."""
+    compute dtype. Give it params on that mesh (`local_policy`)."""
     sampling = rollout.sampling_config(framing)
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,

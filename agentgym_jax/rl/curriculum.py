@@ -6,7 +6,7 @@ graded at most `max_grades[k]`; a stage lasts `steps_per_stage` steps and the la
 forever. Sparse rewards give GRPO a signal only where some samples of a task succeed, so early
 stages keep to the tasks the warm-started policy can already finish. Like the horizon schedule
 (`rl/horizon.py`) it is a pure function of the step, so a resumed run draws the tasks the
-uninterrupted run drew. It is independent of the horizon schedule: `horizon.schedule=fixed`
+uninterrupted run drew. It is independent of the horizon schedule: `horizon_schedule.kind=fixed`
 leaves it as it is.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from agentgym_jax.envs.pool import EnvPool, Episode
+from agentgym_jax.envs.pool import EnvPool, PlayedEpisode
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.rollout.trajectory import Trajectory
@@ -34,7 +34,7 @@ THOUGHT_ACTION = "Thought:\nI will {action}.\n\nAction:\n{action}"  # AgentGym's
 def demonstration_trajectory(
     framing: ChatFraming,
     task_info: TaskInfo,
-    episode: Episode,
+    episode: PlayedEpisode,
     *,
     group_id: int,
     prompt_style: PromptStyle | str = PromptStyle.SHORT,
@@ -64,7 +64,7 @@ async def play_oracle_episodes(
     action_format: str = ACTION_ONLY,
     oracle: str = "",
     on_finished: Callable[[], None] | None = None,
-) -> list[Episode]:
+) -> list[PlayedEpisode]:
     """Plays every task with the oracle, concurrently, on an open pool; the raw transcripts, in
     the order of `task_ids` (`on_finished()`, if given, hears each episode end).
 
@@ -79,7 +79,7 @@ async def play_oracle_episodes(
         del observation
         return action_format.format(action=await pool.oracle_action(slot, oracle))
 
-    async def play(task_id: int) -> Episode:
+    async def play(task_id: int) -> PlayedEpisode:
         episode = await pool.run_episode(int(task_id), policy, horizon)
         if on_finished is not None:
             on_finished()

@@ -93,7 +93,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
         explore_engine = stack.enter_context(setup.make_engine(
             config, job, model, framing, job_settings.rollout(config, temperature=evol.temperature, group_size=evol.group_size)))
         held_out = play.HeldOut.of(config, job, model, framing)
-        sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
+        local_policy = lambda p: setup.local_policy(config, job, p)  # noqa: E731  (this process's devices)
 
         # Resume after the last complete iteration; then explore, keep the successes, clone, evaluate.
         start = 0 if ckpt.latest_step is None else ckpt.latest_step + 1
@@ -105,7 +105,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             explored = trajectories = []
             if it:
                 mine = explore_engine.run(
-                    sampler_params(state.params), explore_share, evol.horizon,
+                    local_policy(state.params), explore_share, evol.horizon,
                     jax.random.fold_in(jax.random.PRNGKey(config.seed), it), policy_version=it - 1, group_offset=explore_first,
                 ) if explore_share else []
                 trajectories = setup.gather_trajectories(mine)
@@ -119,7 +119,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
             epochs = config.sft.epochs if it == 0 else evol.epochs or config.sft.epochs
             state, history = cloning.train(init, data, epochs=epochs, seed=config.seed + it)
-            result = held_out(sampler_params(state.params), it_dir / "eval.jsonl", f"eval iteration {it}")
+            result = held_out(local_policy(state.params), it_dir / "eval.jsonl", f"eval iteration {it}")
             record = {
                 "iteration": it, "explored_episodes": len(trajectories), "kept": len(explored),
                 "train_trajectories": len(data), "sft_final_nll": history[-1]["nll"], "eval": result,

@@ -37,6 +37,14 @@ def policy_state(config: ml_collections.ConfigDict, update: UpdateConfig, params
     return state, make_step_fns(update, mesh, shardings, *(train_state_shardings(c, mesh) for c in critic))
 
 
+def restart_optimizer(state: TrainState, params, frozen, mesh: jax.sharding.Mesh) -> TrainState:
+    """`state` on `params` (and `frozen`) with a fresh optimizer state placed like them: the RL
+    phase after its warm start (whose update donated the state's former params)."""
+    state = state.replace(params=params, frozen=frozen)
+    fresh = jax.jit(state.tx.init, out_shardings=train_state_shardings(state, mesh).opt_state)
+    return state.replace(opt_state=fresh(params))
+
+
 def critic_states(
     config: ml_collections.ConfigDict, update: UpdateConfig, mesh: jax.sharding.Mesh, policy_params, tx=None
 ) -> list[TrainState]:

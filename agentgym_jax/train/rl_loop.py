@@ -33,13 +33,12 @@ from agentgym_jax.train import build, rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import BehaviourCloning
 from agentgym_jax.train.state import make_optimizer, reference_params
-from agentgym_jax.train.steps import train_state_shardings
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
     process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
-    schedule = settings.horizon_schedule(config.horizon)
+    schedule = settings.horizon_schedule(config.horizon_schedule)
     curriculum = settings.curriculum(config.curriculum)
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
@@ -64,13 +63,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         held_out = play.HeldOut.of(config, job, model, framing)
         train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
 
-        def sampler_params(state):  # the merged policy on this process's devices
-            return setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+        def local_policy(state):  # the merged policy on this process's devices
+            return setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
 
         # Resume, or warm start: SFT on the successful demonstrations, the frozen reference, evaluation before RL.
         if resuming:
             (state, ref_params, *critic), meta = ckpt.restore(
-                (state, reference_params(params, update.forward.compute_dtype), *critic))
+                (state, reference_params(state.params, update.forward.compute_dtype), *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
@@ -81,13 +80,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 sft_state, history = BehaviourCloning(config, update, mesh).train(
                     state.params, [d for d in demos if d.success], epochs=config.sft.epochs, seed=config.seed,
                     frozen=state.frozen)
-                fresh_opt = jax.jit(state.tx.init, out_shardings=train_state_shardings(state, mesh).opt_state)
-                state = state.replace(params=sft_state.params, frozen=sft_state.frozen, opt_state=fresh_opt(sft_state.params))
+                state = build.restart_optimizer(state, sft_state.params, sft_state.frozen, mesh)
                 meta["sft_final_nll"] = history[-1]["nll"]
             ref_params = reference_params(state.params, update.forward.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = build.critic_states(config, update, mesh, state.params, *(c.tx for c in critic))
-            meta["eval_before"] = held_out(sampler_params(state), workdir / "eval_before.jsonl", "eval before RL")
+            meta["eval_before"] = held_out(local_policy(state), workdir / "eval_before.jsonl", "eval before RL")
             ckpt.save(0, (state, ref_params, *critic), {**meta, "minutes": process_minutes()}, force=True)
         resumed_from = meta["rl_step"] if resuming else None
         earlier_minutes = meta.get("minutes", 0.0) if resuming else 0.0  # the earlier processes' time to the checkpoint
@@ -105,7 +103,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             tasks, first = process_share(play.task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
             t0 = time.time()
             trajectories = train_engine.run(
-                sampler_params(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
+                local_policy(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
                 policy_version=step, group_offset=first,
             )
             rollout_s = time.time() - t0
@@ -136,7 +134,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         logger.close()
 
         # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).
-        after = held_out(sampler_params(state), workdir / "eval_after.jsonl", "eval after RL")
+        after = held_out(local_policy(state), workdir / "eval_after.jsonl", "eval after RL")
         if state.frozen:
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
 

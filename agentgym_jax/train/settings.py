@@ -2,7 +2,7 @@
 
 `rl/` holds the pure pieces (estimators and losses in registries with their hyper-parameters,
 schedules, curricula) and knows nothing of configs. Here `config.algo` becomes the update's
-`Forward`, `Batching` and `RLSpec` (`train/steps.py`) and the `BatchFilter`; `config.horizon` and
+`Forward`, `Batching` and `RLSpec` (`train/steps.py`) and the `BatchFilter`; `config.horizon_schedule` and
 `config.curriculum` their schedules; `config.optim` each phase's optimizer settings. Fields are
 read by name, so a config key is the field it sets (`algo.<field>`, and `algo.<hparam>` for each
 hyper-parameter the chosen estimator or loss declares); 0 sets an optional value to "off" (its
@@ -63,7 +63,7 @@ def _hparams(algo: Mapping[str, Any], owner: str, declared: Sequence[str], regis
     return hparams
 
 
-def forward(config: ml_collections.ConfigDict, model: ModelConfig) -> Forward:
+def forward_pass(config: ml_collections.ConfigDict, model: ModelConfig) -> Forward:
     """How the trainer runs `model`: `config.model`'s compute dtype, remat, log-prob chunk, attention
     kernels and LoRA scale."""
     try:
@@ -103,7 +103,7 @@ def update(config: ml_collections.ConfigDict, model: ModelConfig, objective: str
     AgentEvol), or also RL's objective (`"rl"`, whose warm start clones too) or DPO's (`"dpo"`)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
-    return UpdateConfig(forward(config, model), batching(config), rl(config) if objective == "rl" else None,
+    return UpdateConfig(forward_pass(config, model), batching(config), rl(config) if objective == "rl" else None,
                         dpo(config) if objective == "dpo" else None)
 
 
@@ -152,22 +152,22 @@ def rl_optim(config: ml_collections.ConfigDict, updates_per_step: int, lr: float
 
 
 def horizon_schedule(section: Mapping[str, Any]) -> HorizonSchedule:
-    """`config.horizon`: `{"schedule": "fixed", "rounds": 10}` or `{"schedule": "stepwise",
-    "rounds": [10, 20, 30], "steps_per_stage": 100}` (a dict or a ConfigDict)."""
+    """`config.horizon_schedule`: `{"kind": "fixed", "horizons": 10}` or `{"kind": "stepwise",
+    "horizons": [10, 20, 30], "steps_per_stage": 100}` (a dict or a ConfigDict)."""
     params = dict(section.items())
-    name = params.pop("schedule", None)
-    if name not in HORIZON_SCHEDULES:
-        raise ConfigError(f"unknown horizon schedule {name!r}; valid: {', '.join(HORIZON_SCHEDULES)}")
-    builder = HORIZON_SCHEDULES[name]
+    kind = params.pop("kind", None)
+    if kind not in HORIZON_SCHEDULES:
+        raise ConfigError(f"unknown horizon schedule {kind!r}; valid: {', '.join(HORIZON_SCHEDULES)}")
+    builder = HORIZON_SCHEDULES[kind]
     valid = inspect.signature(builder).parameters
     if unknown := sorted(set(params) - set(valid)):
-        raise ConfigError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
-    if "rounds" not in params:
-        raise ConfigError(f"horizon schedule {name!r} needs 'rounds'")
+        raise ConfigError(f"horizon schedule {kind!r} takes no {unknown}; valid: {sorted(valid)}")
+    if "horizons" not in params:
+        raise ConfigError(f"horizon schedule {kind!r} needs 'horizons'")
     try:
         return builder(**params)
     except ValueError as e:
-        raise ConfigError(f"horizon: {e}") from e
+        raise ConfigError(f"horizon_schedule: {e}") from e
 
 
 def curriculum(section: Mapping[str, Any]) -> Curriculum:

@@ -145,7 +145,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         result = {}
         if config.eval.num_tasks:
             held_out = play.HeldOut.of(config, job, model, framing)
-            policy = setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+            policy = setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
             result = held_out(policy, workdir / "eval.jsonl", "eval")
             if is_writer():
                 (workdir / "eval.json").write_text(json.dumps(result, indent=2))
