@@ -1,11 +1,11 @@
-"""Jitted, pure update steps: the PPO-family RL update and the SFT step.
+"""Jitted, pure update steps: the PPO-family RL update, the SFT step and the DPO step, all on one
+micro-batched update path (`accumulated_update`).
 
-An `UpdateConfig` has three typed parts, each read from its own config section by
-`train/settings.py`: `Forward` (how the model runs: dtype, remat, log-prob chunk, kernels, LoRA
-scale), `Batching` (epochs, mini- and micro-batches, length buckets, loss aggregation) and
-`RLSpec` (the RL objective: estimator and policy loss from the `rl/` registries with their
-declared hyper-parameters, KL, entropy, value model, temperature, correction; None for
-behaviour cloning).
+An `UpdateConfig` has typed parts, each read from its own config section by `train/settings.py`:
+`Forward` (how the model runs: dtype, remat, log-prob chunk, kernels, LoRA scale), `Batching`
+(epochs, mini- and micro-batches, length buckets, loss aggregation), and the objective besides
+behaviour cloning: `RLSpec` (estimator and policy loss from the `rl/` registries with their
+declared hyper-parameters, KL, entropy, value model, temperature, correction) or `DPOSpec`.
 
 `prepare` turns a `TokenBatch` of trajectories into an `RLBatch` (trainer log-probs of the
 sampled tokens, reference log-probs, critic values, advantages, returns) once per rollout batch;
@@ -21,7 +21,7 @@ chunk of `logprob_chunk` positions at a time (the [rows, seq, vocab] logits neve
 backward pass neither), attention is blockwise (`decoder.flash_attention`), and `remat` picks
 what each layer keeps for the backward pass.
 
-`make_step_fns` jits the three steps once per run: plainly on one device, or over a mesh with
+`make_step_fns` jits the steps once per run: plainly on one device, or over a mesh with
 explicit in/out shardings (`train_state_shardings` for the state, batch rows over
 ("data", "fsdp"), metrics replicated).
 """
