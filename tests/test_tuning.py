@@ -196,7 +196,7 @@ def test_a_tuned_rl_job_trains_adapters_and_exports_the_merged_policy(tmp_path):
     from tests.rl_runs import TINY_RL_JOB, run_rl_job
 
     overrides = {**TINY_RL_JOB, "workdir": tmp_path, "train.steps": 2, "train.checkpoint_every": 1,
-                 "horizon.steps_per_stage": 1, "model.lora_rank": 2, "model.trainable_layers": 1}
+                 "horizon_schedule.steps_per_stage": 1, "model.lora_rank": 2, "model.trainable_layers": 1}
     summary = run_rl_job("configs/quickstart.py", overrides)
     assert summary.env == "room"
     state, _ = Checkpointer(str(tmp_path / "checkpoints"), every=1).restore_raw(2)  # (train state, reference)
