@@ -17,6 +17,22 @@ class ConfigError(ValueError):
     """A config that cannot be run: unknown keys, bad values, missing required fields."""
 
 
+# Keys that have a new name (one name per concept: the turn limit is a `horizon` everywhere).
+RENAMED = {
+    "horizon.schedule": "horizon_schedule.kind",
+    "horizon.rounds": "horizon_schedule.horizons",
+    "horizon.steps_per_stage": "horizon_schedule.steps_per_stage",
+    "sft.max_turns": "sft.horizon",
+}
+
+
+def check_renamed(keys: Sequence[str]) -> None:
+    """Refuses, in one line naming the new key, a key that was renamed (an override or a config file's)."""
+    for key in keys:
+        if key in RENAMED:
+            raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
+
+
 def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     """All dotted leaf keys of a (nested) config, sorted."""
     keys = []
@@ -36,7 +52,8 @@ def override_keys(argv: Sequence[str], flag: str = "config") -> list[str]:
 
 
 def check_override_keys(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
-    """Raises `ConfigError` naming every override key the config does not have."""
+    """Raises `ConfigError` naming every override key the config does not have (or a renamed one's new name)."""
+    check_renamed(keys)
     valid = flat_keys(config)
     prefixes = {k.rsplit(".", i)[0] for k in valid for i in range(k.count(".") + 1)}
     unknown = [k for k in keys if k not in prefixes]

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from agentgym_jax.config import ConfigError, check_override_keys, load_config_file, override_keys
+from agentgym_jax.config import ConfigError, check_override_keys, check_renamed, flat_keys, load_config_file, override_keys
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 
@@ -32,11 +32,13 @@ MODES: dict[str, str] = {
 
 
 def _precheck(argv: list[str]) -> None:
-    """Fails fast, with the valid keys, on `--config.<typo>` before absl sees it."""
+    """Fails fast, with the valid keys, on `--config.<typo>` (or a renamed key) before absl sees it."""
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if spec is None:
         raise ConfigError("missing --config=configs/<name>.py")
-    check_override_keys(load_config_file(spec), override_keys(argv))
+    config = load_config_file(spec)
+    check_renamed(flat_keys(config))  # a config file of one's own, written with an old key
+    check_override_keys(config, override_keys(argv))
 
 
 _OWN_CODE = tuple(str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("agentgym_jax", "environments"))

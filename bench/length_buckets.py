@@ -34,7 +34,7 @@ from train_step import bench_model, best_seconds, random_batch  # noqa: E402
 
 from agentgym_jax.models.decoder import init_params  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 
 
 def ragged(batch, seed: int = 1):
@@ -62,8 +62,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model = bench_model(args.layers, args.hidden, args.vocab)
-    padded = UpdateConfig(model=model, num_microbatches=args.micro, kl_coef=0.001)
-    grouped = dataclasses.replace(padded, length_buckets=args.buckets)
+    padded = UpdateConfig(Forward(model), Batching(num_microbatches=args.micro), RLSpec(kl_coef=0.001))
+    grouped = dataclasses.replace(padded, batching=Batching(num_microbatches=args.micro, length_buckets=args.buckets))
     batch, lengths = ragged(random_batch(args.batch, args.seq, args.vocab, group_size=4))
     dropped = np.random.default_rng(2).permutation(args.batch // 4)[: round(args.drop * args.batch / 4)]
     batch = batch.replace(loss_mask=np.where(np.isin(batch.group_ids, dropped)[:, None], 0.0, batch.loss_mask))

@@ -32,7 +32,7 @@ from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.steps import Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 from train_step import random_batch  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
@@ -61,7 +61,7 @@ def main() -> None:
     prompts = [rng.integers(3, model.vocab_size, args.prompt_len).tolist() for _ in range(args.decode_batch)]
     work = {}
     for dtype in DTYPES:
-        config = UpdateConfig(model=model, kl_coef=0.0, compute_dtype=dtype)
+        config = UpdateConfig(Forward(model, compute_dtype=dtype), rl=RLSpec(kl_coef=0.0))
         fns = make_step_fns(config)
         state = TrainState.create(jax.tree.map(jnp.copy, params), optax.adamw(1e-6), jax.random.PRNGKey(1))
         sampler = Sampler.for_decoder(model, SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0),

@@ -79,8 +79,7 @@ from agentgym_jax.sampling import buckets  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler, Turn  # noqa: E402
 from agentgym_jax.job import setup  # noqa: E402
-from agentgym_jax.train.jobs import update_config  # noqa: E402
-from agentgym_jax.train.jobs import optim_config  # noqa: E402
+from agentgym_jax.train import settings  # noqa: E402
 from agentgym_jax.train.state import TrainState, make_optimizer, reference_params  # noqa: E402
 from agentgym_jax.train.steps import make_step_fns, train_state_shardings  # noqa: E402
 from configs import models  # noqa: E402
@@ -170,19 +169,19 @@ def compile_steps(
     """The four steps of an RL step at the config's shape, compiled for `mesh` (see the docstring);
     with `cpu_proxy` (compiling on the CPU for an accelerator) the sampler's steps carry the temp
     of their float32-cache twins (`float32_cache_twins`)."""
-    updates = update_config(config, model)
+    updates = settings.update(config, model, objective="rl")
     param_dtype = jnp.dtype(config.model.param_dtype)
-    tx = make_optimizer(optim_config(config.optim, config.train.steps))
+    tx = make_optimizer(settings.optim(config, config.train.steps))
 
     def init_state(rng: jax.Array) -> TrainState:
-        params = decoder.init_params(model, rng, param_dtype=param_dtype, value_head=updates.uses_critic)
+        params = decoder.init_params(model, rng, param_dtype=param_dtype, value_head=updates.rl.uses_critic)
         return TrainState.create(params, tx, jax.random.PRNGKey(1))
 
     shapes = jax.eval_shape(init_state, jax.random.PRNGKey(0))
     state_shardings = train_state_shardings(shapes, mesh)
     state = with_shardings(shapes, state_shardings)
     # The RL job's frozen reference: a copy of the initial params in the compute dtype, laid out like them.
-    reference = functools.partial(reference_params, compute_dtype=updates.compute_dtype)
+    reference = functools.partial(reference_params, compute_dtype=updates.forward.compute_dtype)
     ref_params = with_shardings(jax.eval_shape(reference, state.params), state_shardings.params)
     step_fns = make_step_fns(updates, mesh, state_shardings)
 
@@ -349,7 +348,7 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
         return out
 
     state = jax.jit(init_state, out_shardings=state_shardings)(jax.random.PRNGKey(0))
-    compute = update_config(config, model).compute_dtype
+    compute = settings.forward_pass(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
     write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_rows)

@@ -49,7 +49,7 @@ from agentgym_jax.models.decoder import init_params  # noqa: E402
 from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 
 
 def random_batch(rows: int, seq: int, vocab: int, group_size: int, seed: int = 0) -> TokenBatch:
@@ -90,7 +90,7 @@ def model_flops(m: ModelConfig, rows: int, seq: int, config: UpdateConfig) -> fl
     """Matmul FLOPs of one prepare + rl_update (see the module docstring), full training: what the
     update would cost with every parameter trained (a tuned update does less of it, faster)."""
     forward = 2 * matmul_params(m) * rows * seq + 4 * m.num_layers * m.num_heads * m.head_dim * rows * seq**2
-    passes = 1 + (1 if config.uses_reference else 0) + 3 * config.ppo_epochs
+    passes = 1 + (1 if config.rl.uses_reference else 0) + 3 * config.batching.ppo_epochs
     return passes * forward
 
 
@@ -134,10 +134,8 @@ def main() -> None:
         model = bench_model(args.layers, args.hidden, args.vocab)
         params = init_params(model, jax.random.PRNGKey(0))
     spec = tuning.Tuning(lora_rank=args.lora_rank, trainable_layers=args.trainable_layers)
-    config = UpdateConfig(
-        model=model, ppo_epochs=args.ppo_epochs, kl_coef=args.kl_coef, compute_dtype=args.compute_dtype,
-        remat=args.remat, lora_scale=spec.lora_scale,
-    )
+    config = UpdateConfig(Forward(model, compute_dtype=args.compute_dtype, remat=args.remat, lora_scale=spec.lora_scale),
+                          Batching(ppo_epochs=args.ppo_epochs), RLSpec(kl_coef=args.kl_coef))
     fns = make_step_fns(config)
     trainable, frozen = tuning.split(params, spec, jax.random.PRNGKey(4), frozen_dtype=args.compute_dtype)
     ref_params = jax.tree.map(jnp.copy, trainable)

@@ -22,7 +22,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config = cpu.get_config(arg) if arg else quickstart.get_config()
     config.mode = "agentevol"
     config.workdir = f"runs/agentevol_{arg}" if arg else "runs/agentevol"
-    del config.horizon, config.train  # no RL steps here
+    del config.horizon_schedule, config.train  # no RL steps here
 
     config.sft.num_tasks = 16  # base demonstrations (AgentTraj's role): oracle episodes of training tasks
     config.sft.epochs = 10

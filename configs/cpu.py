@@ -4,7 +4,7 @@ beside it).
 
     python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu, guess_the_number_cpu
     python -m agentgym_jax.launch --config=configs/cpu.py:maze          # the same
-    python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.horizon.schedule=fixed   # the baseline
+    python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.horizon_schedule.kind=fixed   # the baseline
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.env.reward_shaping=progress  # opt-in shaping
 
 Only what an environment needs differs from `configs/quickstart.py`: the horizon schedule starts
@@ -27,7 +27,7 @@ from configs import quickstart
 # turns, 55% in <= 12), wordle 4 / 5.
 RECIPES = {
     "maze": dict(
-        rounds=(8, 12, 16),  # around the demonstrations' median of 9 moves; 16 holds ~80% of them
+        horizons=(8, 12, 16),  # around the demonstrations' median of 9 moves; 16 holds ~80% of them
         max_tokens_per_turn=16,  # "Action: move up" and a short thought
         max_response_length=2560,  # 16 turns of a ~100-token wall description and an action
         # The shortest-path oracle's moves depend on walls no observation shows: cloned, they teach
@@ -41,7 +41,7 @@ RECIPES = {
         steps=18,  # 64 episodes of up to 16 turns, the groups dynamic sampling leaves out not scored: ~10-25 s a step
     ),
     "textcraft": dict(
-        rounds=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
+        horizons=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
         max_tokens_per_turn=24,  # "Action: craft 4 oak planks using 1 oak log" in a 1024-token BPE
         max_response_length=1536,
         sft_tasks=200,
@@ -49,14 +49,14 @@ RECIPES = {
         steps=18,  # ~600-token command lists make a step ~30 s: 18 fit the budget
     ),
     "babyai": dict(
-        rounds=(4, 8, 12),  # 40% of tasks take <= 4 turns (a target in view: one high-level action)
+        horizons=(4, 8, 12),  # 40% of tasks take <= 4 turns (a target in view: one high-level action)
         max_tokens_per_turn=20,  # "Action: toggle and go through red door 1"
         max_response_length=1536,  # each observation lists what the agent sees (~60-100 tokens)
         sft_tasks=400,  # about half fit 12 turns: ~225 demonstrations
         sft_epochs=4,
     ),
     "wordle": dict(
-        rounds=(6,),  # Wordle's own limit of six guesses: nothing to schedule
+        horizons=(6,),  # Wordle's own limit of six guesses: nothing to schedule
         max_tokens_per_turn=16,  # a five-letter guess
         max_response_length=1024,  # six feedback lines
         sft_tasks=200,
@@ -68,7 +68,7 @@ RECIPES = {
     "guess_the_number": dict(
         env="textarena",
         tasks="game=GuessTheNumber",  # its 80 training and 20 test seeds; the other games stay out
-        rounds=(5, 8, 10),  # bisection needs <= 5 guesses; later stages leave room for a wrong one
+        horizons=(5, 8, 10),  # bisection needs <= 5 guesses; later stages leave room for a wrong one
         max_tokens_per_turn=16,  # "Action: [12]"
         max_response_length=512,  # ten one-line hints
         sft_tasks=80,  # every training seed
@@ -91,15 +91,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.max_tokens_per_turn = recipe["max_tokens_per_turn"]
     config.rollout.max_response_length = recipe["max_response_length"]
     config.rollout.max_cache_len = 512 + recipe["max_response_length"]  # the prompt (instruction, first observation) + the episode
-    config.horizon.rounds = recipe["rounds"]
+    config.horizon_schedule.horizons = recipe["horizons"]
     config.train.steps = recipe.get("steps", config.train.steps)  # the quickstart's 24 unless the budget needs fewer
-    config.horizon.steps_per_stage = config.train.steps // len(recipe["rounds"])  # equal stages
-    config.eval.horizon = recipe["rounds"][-1]  # held-out episodes get the final horizon
+    config.horizon_schedule.steps_per_stage = config.train.steps // len(recipe["horizons"])  # equal stages
+    config.eval.horizon = recipe["horizons"][-1]  # held-out episodes get the final horizon
     config.eval.num_tasks = recipe.get("eval_tasks", 64)  # at least 50 held-out tasks where there are (maze has 50: all of them)
     config.sft.num_tasks = recipe["sft_tasks"]
     config.sft.epochs = recipe["sft_epochs"]
     config.sft.oracle = recipe.get("sft_oracle", "")
-    config.sft.max_turns = recipe["rounds"][-1]  # a demonstration longer than the final horizon shows what RL cannot do
+    config.sft.horizon = recipe["horizons"][-1]  # a demonstration longer than the final horizon shows what RL cannot do
     config.algo.dynamic_sampling = True
     # Episodes end anywhere from a few turns to the horizon: 4 micro-batches of like lengths, each
     # run at the shortest of the batch's length, its half or its quarter that holds it (exact).

@@ -19,7 +19,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config = quickstart.get_config(arg)
     config.mode = "dpo"
     config.workdir = "runs/dpo"
-    del config.horizon, config.sft
+    del config.horizon_schedule, config.sft
 
     config.init = ""  # job folder of the starting policy; empty: model.hf_dir
     config.init_step = -1  # its checkpoint step; -1: the latest

@@ -92,10 +92,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.num_slots = 0
     config.rollout.decode_chunk = 8  # slots: decode steps between refills (shorter: rows idle less at turn ends)
 
-    config.horizon = ml_collections.ConfigDict()
-    config.horizon.schedule = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on
-    config.horizon.rounds = (4, 8, 12)
-    config.horizon.steps_per_stage = 8
+    # The horizon (most turns an episode may take) as training goes on (rl/horizon.py).
+    config.horizon_schedule = ml_collections.ConfigDict()
+    config.horizon_schedule.kind = "stepwise"  # ScalingInter-RL: more turns allowed as training goes on; or fixed
+    config.horizon_schedule.horizons = (4, 8, 12)  # one per stage (fixed: the last, throughout)
+    config.horizon_schedule.steps_per_stage = 8
 
     # A curriculum over task difficulty (rl/curriculum.py), off here: stage k draws only training
     # tasks whose grade in the environment's task metadata is <= max_grades[k].
@@ -152,7 +153,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
     config.sft = ml_collections.ConfigDict()
     config.sft.num_tasks = 200  # training tasks with an oracle demonstration
-    config.sft.max_turns = 100  # oracle episodes stop here; a longer demonstration is left out of SFT
+    config.sft.horizon = 100  # oracle episodes stop at this many turns; a longer demonstration is left out of SFT
     config.sft.oracle = ""  # which oracle demonstrates: "" the environment's own; or one it names (Maze: "local")
     config.sft.epochs = 6  # a weak start on purpose: 20 epochs reach ~86% held-out, leaving RL little to show
     config.sft.batch_size = 16

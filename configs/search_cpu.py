@@ -24,12 +24,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.max_cache_len = 2560  # the ~150-token instruction and question on top
     # The oracle needs at most 4 turns; up to 8 leaves room for searches that miss without
     # paying for the quickstart's 12-turn episodes (the environment stops at 10).
-    config.horizon.rounds = (4, 6, 8)
+    config.horizon_schedule.horizons = (4, 6, 8)
     # A demonstration is 1-4 turns with the documents, so batches are ~3x longer than sql's
     # (SFT at 200 tasks measured ~22 s a batch on 2 loaded cores): fewer tasks keep the run near 20 minutes.
     config.sft.num_tasks = 64  # 4 batches of 16 per epoch
     config.rollout.batch_tasks = 4  # x group_size 8 = 32 episodes per RL step
-    config.horizon.steps_per_stage = 3
+    config.horizon_schedule.steps_per_stage = 3
     config.train.steps = 8  # 3 + 3 + 2 steps over the three horizons
     config.eval.num_tasks = 32  # the first 32 of the 230 test tasks
     config.eval.horizon = 8  # the last training horizon

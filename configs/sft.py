@@ -5,7 +5,7 @@ r"""Supervised fine-tuning on a weighted mix of environments (trajectory JSONL a
         --config.data.weights=webshop=2,alfworld=1 --config.model.hf_dir=/models/Llama-2-7b-chat
 
 Each batch row picks an environment with probability w_e / sum(w) (empty weights: proportional
-to each environment's row count); see agentgym_jax/train/sft_job.py for the exact rule. Without
+to each environment's row count); see agentgym_jax/train/sft_data.py for the exact rule. Without
 `tokenizer.dir`/`model.hf_dir`, a tokenizer is built from the AgentGym files' text and a small
 random model is trained (the CPU-sized default). Re-running the same command resumes.
 """
@@ -19,7 +19,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config = quickstart.get_config(arg)
     config.mode = "sft"
     config.workdir = "runs/sft"
-    del config.horizon, config.sft  # no RL; the `train` section below is the SFT schedule
+    del config.horizon_schedule, config.sft  # no RL; the `train` section below is the SFT schedule
 
     config.data = ml_collections.ConfigDict()
     config.data.trajectories = ""  # comma-separated trajectory JSONL files (mode=collect output)

@@ -27,7 +27,7 @@ from configs import cpu
 
 RECIPES = {
     "textcraft": dict(
-        rounds=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
+        horizons=(4, 6, 8),  # recipes of depth 1-3 take 2-4 crafts; later stages leave room for a wrong try
         max_tokens_per_turn=24,  # "Action: craft 4 oak planks using 1 oak log" is ~15 SmolLM2 tokens
         max_response_length=768,  # 8 turns of ~30-token inventories and actions
         sft_tasks=64,
@@ -35,7 +35,7 @@ RECIPES = {
         steps=12,
     ),
     "babyai": dict(
-        rounds=(4, 8, 12),
+        horizons=(4, 8, 12),
         max_tokens_per_turn=20,  # "Action: toggle and go through red door 1"
         max_response_length=1536,  # each observation lists what the agent sees (~60-150 tokens)
         sft_tasks=128,
@@ -43,7 +43,7 @@ RECIPES = {
         steps=12,
     ),
     "maze": dict(
-        rounds=(8, 12, 16),
+        horizons=(8, 12, 16),
         max_tokens_per_turn=12,  # "Action: move up"
         max_response_length=1024,  # 16 turns of a ~35-token wall description and an action
         sft_oracle="local",  # moves its observations explain (configs/cpu.py)
@@ -52,7 +52,7 @@ RECIPES = {
         steps=12,
     ),
     "wordle": dict(
-        rounds=(6,),
+        horizons=(6,),
         max_tokens_per_turn=12,  # "Action: crane"
         max_response_length=512,
         sft_tasks=128,
@@ -81,15 +81,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.batch_tasks = 4
     config.rollout.group_size = 8
     config.rollout.temperature = 0.7
-    config.horizon.rounds = recipe["rounds"]
+    config.horizon_schedule.horizons = recipe["horizons"]
     config.train.steps = recipe["steps"]
-    config.horizon.steps_per_stage = recipe["steps"] // len(recipe["rounds"])
-    config.eval.horizon = recipe["rounds"][-1]
+    config.horizon_schedule.steps_per_stage = recipe["steps"] // len(recipe["horizons"])
+    config.eval.horizon = recipe["horizons"][-1]
     config.eval.num_tasks = 64
     config.sft.num_tasks = recipe["sft_tasks"]
     config.sft.epochs = recipe["sft_epochs"]
     config.sft.oracle = recipe.get("sft_oracle", "")
-    config.sft.max_turns = recipe["rounds"][-1]
+    config.sft.horizon = recipe["horizons"][-1]
     config.sft.batch_size = 8
     config.sft.lr = 5e-5
     config.optim.lr = 1e-5

@@ -26,8 +26,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.max_cache_len = 2560  # prompt + response, rounded up
     # The oracle answers in one turn; two to six turns leave room to `execute` before answering
     # without paying for 12-turn episodes of 128-token turns.
-    config.horizon.rounds = (2, 4, 6)
-    config.horizon.steps_per_stage = 6
+    config.horizon_schedule.horizons = (2, 4, 6)
+    config.horizon_schedule.steps_per_stage = 6
     config.train.steps = 16  # 6 + 6 + 4 steps over the three horizons: ~15 minutes on 2 cores
     config.eval.num_tasks = 48  # the whole test split (task ids divisible by 10 of 475)
     config.eval.horizon = 6  # the last training horizon

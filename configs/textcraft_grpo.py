@@ -44,9 +44,9 @@ def settings() -> ml_collections.ConfigDict:
     config.rollout.max_cache_len = 512 + 10240  # max_prompt_length + max_response_length
     config.rollout.temperature = 1.0
 
-    config.horizon.schedule = "stepwise"
-    config.horizon.rounds = (10, 20, 30)
-    config.horizon.steps_per_stage = 100
+    config.horizon_schedule.kind = "stepwise"
+    config.horizon_schedule.horizons = (10, 20, 30)
+    config.horizon_schedule.steps_per_stage = 100
 
     config.algo.advantage = "grpo"
     config.algo.ppo_epochs = 2  # ppo_epochs (honoured here; AgentGym-RL ignores it)

@@ -30,14 +30,14 @@ def with_compile_cache(env: dict[str, str], cache: pathlib.Path) -> dict[str, st
 
 
 # The smallest RL job the code path allows: a 2-layer, hidden-32 policy, 4 demonstrations, 2 tasks
-# x 2 samples a step, 2 held-out tasks; add `workdir`, `train.*` and `horizon.steps_per_stage`.
+# x 2 samples a step, 2 held-out tasks; add `workdir`, `train.*` and `horizon_schedule.steps_per_stage`.
 TINY_RL_JOB = {
     "sft.num_tasks": 4, "sft.epochs": 2, "sft.batch_size": 4,
     "eval.num_tasks": 2, "eval.horizon": 2,
     "rollout.batch_tasks": 2, "rollout.group_size": 2, "rollout.lock_step": True,
     "algo.num_minibatches": 1,  # the 4 rows, padded to 8, are one row per device of 8 simulated ones
     "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
-    "horizon.rounds": "(1,2)",
+    "horizon_schedule.horizons": "(1,2)",
     "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
     "tokenizer.vocab_size": 320,
 }

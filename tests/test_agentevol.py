@@ -18,8 +18,9 @@ from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.job import setup
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train.agentevol import TrainingPhases, keep_successes, merge_dedup
-from agentgym_jax.train.jobs import update_config
+from agentgym_jax.train.agentevol import keep_successes, merge_dedup
+from agentgym_jax.train.sft import BehaviourCloning
+from agentgym_jax.train import settings
 from configs import agentevol as agentevol_config
 from tests.markers import long_test
 from tests.rl_runs import with_compile_cache
@@ -57,7 +58,7 @@ def test_each_iteration_schedule_spans_its_own_updates(schedule):
     model = setup.model_config(config, vocab_size=64)
     mesh = make_mesh(1, -1, 1)
     params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(0), value_head=False)
-    phases = TrainingPhases(config, update_config(config, model), mesh)
+    phases = BehaviourCloning(config, settings.update(config, model), mesh)
     (short, short_fns), (long, long_fns) = (phases.fresh_state(params, rows=rows, epochs=2) for rows in (32, 64))
     assert (short_fns is long_fns) == (schedule == "constant")
     host = jax.device_get(params)  # one device: eager collectives over 8 simulated ones can stall

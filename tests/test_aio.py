@@ -9,9 +9,8 @@ import pytest
 from agentgym_jax.aio import LoopThread, run_sync
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.rollout import demonstrations
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
-from tests.test_rollout import MAX_NEW, framing, model, sampler  # noqa: F401 (module fixtures)
+from tests.test_rollout import MAX_NEW, framing, model, oracle_demonstrations, sampler  # noqa: F401 (module fixtures)
 from tests.servers import start_server
 
 
@@ -60,7 +59,7 @@ def test_loop_thread_keeps_one_loop_and_propagates_errors():
 def test_engine_and_demonstrations_run_inside_a_running_loop(framing, model, sampler):  # noqa: F811
     config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
     with start_server("maze") as url:
-        demos = _in_running_loop(lambda: demonstrations.collect_demonstrations(url, framing, [12]))
+        demos = _in_running_loop(lambda: oracle_demonstrations(url, framing, [12]))
         assert demos[0].status == EpisodeStatus.SUCCESS
         with RolloutEngine(sampler, framing, EnvPool(url), None, config) as engine:
             for horizon in (1, 2):  # the pool opened on the engine's loop serves the second call too

@@ -1,12 +1,15 @@
 """The import rules of docs/architecture.md, checked on every import of every module (top-level
-and inside functions): packages import only the layers below them, servers and trainer share
-only the protocol package, and the repository ignores what a user's machine adds to a clone."""
+and inside functions): packages import only the layers below them (`launch -> train/eval -> job
+-> rollout -> sampling -> models -> parallel`, `rollout -> envs`), `rl` only jax, chex and numpy,
+servers and trainer share only the protocol package, and the repository ignores what a user's
+machine adds to a clone."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -26,8 +29,8 @@ LAYERS = {
 }
 UTILITIES = {"config", "aio", "stats", "progress"}  # modules any package may import
 UTILITY_LAYERS = {"parallel"}  # what the utilities themselves may import
-# Tools that read both sides of the protocol (docs/architecture.md names them).
-READS_BOTH_SIDES = {"environments/maze/moves.py", "agentgym_jax/models/build_tokenizer.py"}
+LAUNCH_IMPORTS = {"config"}  # launch.py names the modes' modules as strings and imports the one it runs
+RL_LIBRARIES = {"jax", "chex", "numpy"}  # rl/ is array math: besides the standard library, only these
 PROTOCOL = "agentgym_jax.envs.protocol"
 SERVER_SIDE_IMPORTS = {PROTOCOL, "agentgym_jax.envs"}  # the latter: `from agentgym_jax.envs import protocol`
 
@@ -65,6 +68,18 @@ def test_a_package_imports_only_the_layers_below_it(package):
     assert not wrong, f"imports that go up or sideways (docs/architecture.md): {wrong}"
 
 
+def test_launch_imports_no_mode():
+    parts = {p for p in map(_part, imported_modules(REPO / "agentgym_jax" / "launch.py")) if p}
+    assert parts <= LAUNCH_IMPORTS, parts
+
+
+def test_rl_is_array_math_on_jax_chex_and_numpy():
+    for path in sorted((REPO / "agentgym_jax" / "rl").rglob("*.py")):
+        tops = {name.split(".")[0] for name in imported_modules(path)} - set(sys.stdlib_module_names) - {"__future__"}
+        library = {_part(name) for name in imported_modules(path) if _part(name)}
+        assert tops - {"agentgym_jax"} <= RL_LIBRARIES and library <= {"rl"}, (path.name, tops, library)
+
+
 def test_every_package_has_its_place_in_the_layers():
     packages = {path.parent.name for path in (REPO / "agentgym_jax").glob("*/__init__.py")}
     modules = {path.stem for path in (REPO / "agentgym_jax").glob("*.py")} - {"__init__", "launch"}
@@ -81,14 +96,10 @@ def test_servers_and_trainer_share_only_the_protocol():
     server_side = sorted((REPO / "environments").rglob("*.py"))
     assert len(server_side) > 20
     for path in server_side:
-        if str(path.relative_to(REPO)) in READS_BOTH_SIDES:
-            continue
         library = {name for name in imported_modules(path) if name.split(".")[0] == "agentgym_jax"}
         beyond = {name for name in library if name not in SERVER_SIDE_IMPORTS and not name.startswith(PROTOCOL + ".")}
         assert not beyond, (str(path.relative_to(REPO)), sorted(beyond))
     for path in _library_modules():
-        if str(path.relative_to(REPO)) in READS_BOTH_SIDES:
-            continue
         servers = {name for name in imported_modules(path) if name.split(".")[0] == "environments"}
         assert not servers, (str(path.relative_to(REPO)), sorted(servers))
 
@@ -96,7 +107,7 @@ def test_servers_and_trainer_share_only_the_protocol():
 def test_the_rules_checked_here_are_the_ones_the_architecture_page_draws():
     page = (REPO / "docs" / "architecture.md").read_text()
     assert "launch ──► train ──┬──► job ──► rollout ──┬──► sampling ──► models ──► parallel" in page
-    for name in (*UTILITIES, *READS_BOTH_SIDES, "tests/test_architecture.py"):
+    for name in (*UTILITIES, *RL_LIBRARIES, "tests/test_architecture.py"):
         assert name.split("/")[-1].removesuffix(".py") in page, name
 
 

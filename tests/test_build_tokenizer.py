@@ -6,6 +6,7 @@ import pytest
 
 from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models.tokenizer import load_tokenizer
+from tests.servers import request_json, start_server
 
 TEXTS = [
     "You are in the middle of a room. Looking quickly around you, you see a cabinet 1 and a drawer 2.\n",
@@ -75,13 +76,24 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="below 259"):
         bt.train_tokenizer(TEXTS, 100, "chatml")
     with pytest.raises(SystemExit, match="text file not found"):
-        bt.main([f"--out={tmp_path / 'x'}", "--no_env_instructions", f"--text_file={tmp_path / 'missing.txt'}"])
+        bt.main([f"--out={tmp_path / 'x'}", f"--text_file={tmp_path / 'missing.txt'}"])
 
 
 def test_cli_trains_on_text_files(tmp_path):
     transcripts = tmp_path / "transcripts.txt"
     transcripts.write_text("Action: go through zebra portal 7\n" * 50)
-    out = bt.main([f"--out={tmp_path / 'tok'}", "--vocab_size=600", "--no_env_instructions", f"--text_file={transcripts}"])
+    out = bt.main([f"--out={tmp_path / 'tok'}", "--vocab_size=600", f"--text_file={transcripts}"])
     tokenizer = load_tokenizer(out)
     # Words seen only in the transcript file became single tokens.
     assert len(tokenizer.encode(" zebra portal", add_special_tokens=False)) == 2
+
+
+def test_cli_reads_instructions_from_a_running_server_and_names_one_that_does_not_answer(tmp_path):
+    """The library never imports a server: the command line asks the server for its instruction."""
+    with start_server("maze") as url:
+        instruction = request_json(url, "GET", "/tasks")[1]["instruction"]
+        lean, rich = (load_tokenizer(bt.main([f"--out={tmp_path / name}", "--vocab_size=600", *urls]))
+                      for name, urls in (("lean", []), ("rich", [f"--env_url={url}"])))
+    assert len(rich.encode(instruction, add_special_tokens=False)) < 0.8 * len(lean.encode(instruction, add_special_tokens=False))
+    with pytest.raises(SystemExit, match="no task info from http://127.0.0.1:9/tasks"):
+        bt.main([f"--out={tmp_path / 'x'}", "--env_url=http://127.0.0.1:9"])

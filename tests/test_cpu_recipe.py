@@ -22,7 +22,7 @@ STEPS = 12
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~4 min on an idle 2-core machine
 def test_shortened_guess_the_number_recipe_improves_held_out_success(tmp_path):
-    overrides = {"workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon.steps_per_stage": 4}
+    overrides = {"workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon_schedule.steps_per_stage": 4}
     summary = run_rl_job("configs/guess_the_number_cpu.py", overrides)
     tasks, before, after = summary.tasks, summary.before, summary.after
     assert summary.env == "textarena"

@@ -13,10 +13,11 @@ from agentgym_jax.models import hf_checkpoint
 from agentgym_jax.models.decoder import forward, init_params, init_value_head
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rl.advantages import gae
-from agentgym_jax.train import jobs, steps
+from agentgym_jax.train import build, settings, steps
 from agentgym_jax.train.state import TrainState
+from tests.updates import update as make_update
 
-CONFIG = steps.UpdateConfig(model=MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
+CONFIG = make_update(MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +58,7 @@ def test_separate_critic_gives_the_values_and_trains_alone():
     assert "value_loss" not in metrics and "value_head" not in new_policy.params  # the policy loss has no value term
     for _ in range(4):
         critic, critic_metrics = fns.critic_update(critic, rl_batch)
-    assert int(critic.step) == 4 * CONFIG.updates_per_step
+    assert int(critic.step) == 4 * CONFIG.batching.updates_per_step
     _, after = jax.jit(steps.critic_loss, static_argnames="config")(critic.params, rl_batch, CONFIG)
     assert float(after["value_loss"]) < 0.5 * float(before["value_loss"])
     assert "critic/value_loss" in critic_metrics
@@ -70,7 +71,7 @@ def test_prepare_refuses_a_missing_or_unexpected_critic():
     with pytest.raises(ValueError, match="critic_params must be given"):
         steps.prepare(policy.params, policy.params, _batch(), config=CONFIG)
     with pytest.raises(ValueError, match="critic_params must be None"):
-        steps.prepare(policy.params, policy.params, _batch(), critic.params, config=steps.UpdateConfig(model=MODEL))
+        steps.prepare(policy.params, policy.params, _batch(), critic.params, config=make_update(MODEL))
 
 
 @pytest.mark.parametrize("source", ["policy", "folder"])
@@ -83,12 +84,12 @@ def test_critic_state_starts_from_the_policy_or_a_folder(source, tmp_path):
         source_params = init_params(MODEL, jax.random.PRNGKey(9))
         hf_checkpoint.save_pretrained(source_params, MODEL, tmp_path)
         config.algo.critic_dir = str(tmp_path)
-    update = jobs.update_config(config, MODEL)
-    assert update.separate_critic and not update.shared_value_head
-    assert (update.critic_model is None) == (source == "policy")
-    [critic] = jobs.critic_states(config, update, make_mesh(1, -1, 1), policy)
+    update = settings.update(config, MODEL, objective="rl")
+    assert update.rl.separate_critic and not update.rl.shared_value_head
+    assert (update.rl.critic_model is None) == (source == "policy")
+    [critic] = build.critic_states(config, update, make_mesh(1, -1, 1), policy)
     assert set(critic.params) == set(policy) | {"value_head"}
     for name in policy:
         jax.tree.map(np.testing.assert_array_equal, critic.params[name], source_params[name])
-    assert jobs.critic_states(load_config_file("configs/quickstart.py"), jobs.update_config(
-        load_config_file("configs/quickstart.py"), MODEL), make_mesh(1, -1, 1), policy) == []
+    assert build.critic_states(load_config_file("configs/quickstart.py"), settings.update(
+        load_config_file("configs/quickstart.py"), MODEL, objective="rl"), make_mesh(1, -1, 1), policy) == []

@@ -2,6 +2,7 @@
 forward pass, one update raises the chosen-vs-rejected margin, padding that cannot turn into NaN
 (the job's former NaN loss), and the job end to end: finite loss, rising margin, exact resume."""
 
+import functools
 import shutil
 
 import jax
@@ -20,7 +21,8 @@ from agentgym_jax.train import dpo_job
 from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.state import TrainState
-from agentgym_jax.train.steps import UpdateConfig
+from agentgym_jax.train import steps
+from agentgym_jax.train.steps import Batching, DPOSpec, Forward, UpdateConfig
 from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]
@@ -72,8 +74,10 @@ def test_jitted_objective_matches_float64_reference_and_one_update_raises_the_ma
     rng = np.random.default_rng(1)
     ref_c = rng.normal(-4.0, 1.0, chosen.tokens.shape).astype(np.float32)  # any frozen reference
     ref_r = rng.normal(-4.0, 1.0, rejected.tokens.shape).astype(np.float32)
-    fns = dpo_job.make_dpo_step_fns(UpdateConfig(model=model), BETA)
-    loss, metrics = fns.objective(params, dpo_job.DPOBatch(chosen, rejected, ref_c, ref_r))
+    update = UpdateConfig(Forward(model), dpo=DPOSpec(BETA))
+    fns = steps.make_step_fns(update)
+    objective = jax.jit(functools.partial(steps.dpo_objective, config=update))
+    loss, metrics = objective(params, steps.DPOBatch(chosen, rejected, ref_c, ref_r))
 
     delta_c = _logprob_sums_f64(hf_model, chosen) - (ref_c * np.asarray(chosen.loss_mask)).sum(1)
     delta_r = _logprob_sums_f64(hf_model, rejected) - (ref_r * np.asarray(rejected.loss_mask)).sum(1)
@@ -82,15 +86,36 @@ def test_jitted_objective_matches_float64_reference_and_one_update_raises_the_ma
     assert float(metrics["reward_margin"]) == pytest.approx(margin.mean(), rel=1e-4, abs=1e-4)
 
     # Reference = the starting policy: margin 0, then one update makes chosen likelier than rejected.
-    ref_c, ref_r = fns.reference(params, chosen, rejected)
-    batch = dpo_job.DPOBatch(chosen, rejected, ref_c, ref_r)
+    ref_c, ref_r = fns.dpo_reference(params, chosen, rejected)
+    batch = steps.DPOBatch(chosen, rejected, ref_c, ref_r)
     state = TrainState.create(jax.tree.map(lambda x: x.copy(), params), optax.adam(1e-3), jax.random.PRNGKey(0))
-    _, before = fns.objective(state.params, batch)
-    state, update_metrics = fns.update(state, batch)
-    loss_after, after = fns.objective(state.params, batch)
+    _, before = objective(state.params, batch)
+    state, update_metrics = fns.dpo_update(state, batch)
+    loss_after, after = objective(state.params, batch)
     assert abs(float(before["reward_margin"])) < 1e-5 and float(update_metrics["loss"]) == pytest.approx(np.log(2), rel=1e-5)
     assert float(after["reward_margin"]) > 1e-3
     assert float(loss_after) < np.log(2)
+
+
+def test_dpo_update_accumulated_over_micro_batches_is_the_whole_batch_update(hf_dir):
+    """DPO on the update path every mode shares: 2 micro-batches (2 and 1 valid pairs, and an
+    empty padding row) give the one-pass reference log-probs, loss, metrics and parameters."""
+    folder, _ = hf_dir
+    model, params = load_pretrained(folder)
+    chosen, rejected = pair_batches(build_pairs(_trajectories(seed=4, tasks=3)), 32, 4)
+    results = []
+    for micro in (1, 2):
+        fns = steps.make_step_fns(UpdateConfig(Forward(model), Batching(num_microbatches=micro), dpo=DPOSpec(BETA)))
+        reference = fns.dpo_reference(params, chosen, rejected)
+        state = TrainState.create(jax.tree.map(lambda x: x.copy(), params), optax.sgd(1.0), jax.random.PRNGKey(0))
+        state, metrics = fns.dpo_update(state, steps.DPOBatch(chosen, rejected, *reference))
+        results.append((reference, state.params, metrics))
+    (ref_a, params_a, metrics_a), (ref_b, params_b, metrics_b) = results
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5), ref_a, ref_b)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), params_a, params_b)
+    for key in ("loss", "reward_margin", "reward_accuracy", "grad_norm"):
+        np.testing.assert_allclose(metrics_a[key], metrics_b[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert not np.allclose(jax.tree.leaves(params_a)[0], jax.tree.leaves(params)[0])  # the update moved them
 
 
 def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_dir):
@@ -102,18 +127,18 @@ def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_d
     pad = load_tokenizer(folder).pad_token_id
     assert pad is None or pad >= VOCAB  # the trap: a tokenizer pad id the model cannot embed
     pairs = build_pairs(_trajectories(seed=3, tasks=3))
-    fns = dpo_job.make_dpo_step_fns(UpdateConfig(model=model), BETA)
+    fns = steps.make_step_fns(UpdateConfig(Forward(model), dpo=DPOSpec(BETA)))
 
     # The cause: rows padded with an out-of-vocabulary id score NaN, padding rows and real rows alike.
     bad_c = make_token_batch([p.chosen for p in pairs], 32, 4, pad_id=VOCAB)
     bad_r = make_token_batch([p.rejected for p in pairs], 32, 4, pad_id=VOCAB)
-    assert not np.isfinite(np.asarray(fns.reference(params, bad_c, bad_r)[0])[: len(pairs), 1:]).any()  # entry 0: no prefix
+    assert not np.isfinite(np.asarray(fns.dpo_reference(params, bad_c, bad_r)[0])[: len(pairs), 1:]).any()  # entry 0: no prefix
 
     # The job's batches (padding rows included): only in-vocabulary ids, and every row scores as
     # the float64 PyTorch forward whose attention mask hides the padding.
     chosen, rejected = pair_batches(pairs, 32, 4)
     assert int(np.max(chosen.tokens)) < VOCAB and int(np.max(rejected.tokens)) < VOCAB
-    for batch, logprobs in zip((chosen, rejected), fns.reference(params, chosen, rejected)):
+    for batch, logprobs in zip((chosen, rejected), fns.dpo_reference(params, chosen, rejected)):
         sums = (np.asarray(logprobs) * np.asarray(batch.loss_mask)).sum(1)
         np.testing.assert_allclose(sums[: len(pairs)], _logprob_sums_f64(hf_model, batch)[: len(pairs)], rtol=1e-5, atol=1e-4)
         assert np.isfinite(np.asarray(logprobs)).all()

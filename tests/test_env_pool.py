@@ -361,11 +361,11 @@ def test_sft_demonstrations_come_from_the_configured_oracle_and_a_bad_name_stops
     from environments.maze import layouts
     from environments.maze.env import MazeEnv
 
-    from agentgym_jax.train import jobs
+    from agentgym_jax.job import play, setup
 
     config = cpu.get_config("maze")
     config.sft.num_tasks = 6
-    episodes = jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
+    episodes = play.oracle_episodes(config, setup.make_pool(config.env, [maze.urls["maze"]]), MazeEnv.task_info())
     assert len(episodes) == 6 and sum(ep.status is S.SUCCESS for ep in episodes) >= 2
     for ep in episodes:  # replayed on an environment of this process
         env = MazeEnv()
@@ -377,7 +377,7 @@ def test_sft_demonstrations_come_from_the_configured_oracle_and_a_bad_name_stops
         assert env.verify() == (ep.status is S.SUCCESS)
     config.sft.oracle = "shortest"
     with pytest.raises(RuntimeError, match="every oracle episode failed .*maze has no oracle 'shortest'; valid: 'local', 'local_thought'"):
-        jobs.play_oracle(config, [maze.urls["maze"]], MazeEnv.task_info())
+        play.oracle_episodes(config, setup.make_pool(config.env, [maze.urls["maze"]]), MazeEnv.task_info())
 
 
 def test_reward_shaping_is_asked_of_every_session_and_refused_where_a_server_has_none(maze):

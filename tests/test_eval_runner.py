@@ -30,7 +30,7 @@ from agentgym_jax.envs.client import EnvServerError
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.eval import compare, job, runner
+from agentgym_jax.eval import compare, runner, schedule
 from agentgym_jax.eval.accounting import MISSING
 from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models import decoder, hf_checkpoint
@@ -39,6 +39,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy
 from agentgym_jax.rollout.trajectory import read_jsonl
+from agentgym_jax.job import setup
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.train.state import TrainState, make_optimizer
 from environments.maze import env as maze
@@ -105,8 +106,8 @@ def test_killed_server_is_counted_in_the_end_to_end_denominator(framing, tmp_pat
     with LocalServers(["maze"]) as a, LocalServers(["maze"]) as b:
         urls = [a.servers[0].url, b.servers[0].url]
         pool = KillingPool(urls, b, kill_after=20, max_retries=1, backoff_s=0.01)
-        kwargs = dict(group_size=2, horizon=HORIZON, seed=0, batch_episodes=20, progress=False)
-        summary = runner.evaluate(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
+        kwargs = dict(group_size=2, horizon=HORIZON, seed=0, batch_episodes=20)
+        summary = runner.report(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
                                   max_attempts=1, **kwargs)
         assert b.servers[0].process.returncode == -9 and a.servers[0].process.poll() is None
 
@@ -136,7 +137,7 @@ def test_killed_server_is_counted_in_the_end_to_end_denominator(framing, tmp_pat
 
         # resumed with retries allowed: the 10 lost episodes are played again as attempt 1 (on A)
         pool = EnvPool(urls, max_retries=1, backoff_s=0.01)
-        summary = runner.evaluate(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
+        summary = runner.report(OraclePolicy(framing), {"maze": pool}, {"maze": info}, {"maze": tasks}, tmp_path,
                                   max_attempts=2, **kwargs)
     m = summary.overall
     assert (m.success.numerator, m.infra_rate.numerator, m.retries) == (70, 0, 10)
@@ -196,37 +197,37 @@ lr=1e-3, warmup_steps=0, total_updates=10, lr_schedule="constant", weight_decay=
     ckpt.close()
 
     config = tiny_config(policy=f"checkpoint:{tmp_path}")
-    policy, loaded_framing = job.make_policy(config, {}, tmp_path / "out")
+    policy, loaded_framing = setup.make_policy(config, {}, tmp_path / "out")
     assert isinstance(policy, ModelPolicy)
     assert loaded_framing.tokenizer.get_vocab() == framing.tokenizer.get_vocab()
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(policy.params), trained)
 
     with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 7 .*steps: \[3\]"):
-        job.make_policy(tiny_config(policy=f"checkpoint:{tmp_path}", checkpoint_step=7), {}, tmp_path)
+        setup.make_policy(tiny_config(policy=f"checkpoint:{tmp_path}", checkpoint_step=7), {}, tmp_path)
     with pytest.raises(ValueError, match="no config.json"):
-        job.make_policy(tiny_config(policy=f"hf:{tmp_path / 'tokenizer'}"), {}, tmp_path)
+        setup.make_policy(tiny_config(policy=f"hf:{tmp_path / 'tokenizer'}"), {}, tmp_path)
     with pytest.raises(ValueError, match="policy must be"):
-        job.make_policy(tiny_config(policy="random"), {}, tmp_path)
+        setup.make_policy(tiny_config(policy="random"), {}, tmp_path)
 
 
 def test_bad_schedules_are_refused(tmp_path):
     info = maze.MazeEnv.task_info()
     first_test = info.splits["test"][0]
-    assert job.task_ids(tiny_config(task_ids="3"), info) == info.splits["test"][:3]
-    assert job.task_ids(tiny_config(task_ids=f"{first_test}:{first_test + 2}"), info) == [first_test, first_test + 1]
-    assert job.task_ids(tiny_config(split="", task_ids="0:2"), info) == [0, 1]
+    assert schedule.task_ids(tiny_config(task_ids="3"), info) == info.splits["test"][:3]
+    assert schedule.task_ids(tiny_config(task_ids=f"{first_test}:{first_test + 2}"), info) == [first_test, first_test + 1]
+    assert schedule.task_ids(tiny_config(split="", task_ids="0:2"), info) == [0, 1]
     with pytest.raises(ValueError, match="not in maze's split 'test'"):
-        job.task_ids(tiny_config(task_ids="0:2"), info)
+        schedule.task_ids(tiny_config(task_ids="0:2"), info)
     with pytest.raises(ValueError, match="has no split 'dev'"):
-        job.task_ids(tiny_config(split="dev"), info)
+        schedule.task_ids(tiny_config(split="dev"), info)
     with pytest.raises(ValueError, match="task_ids must be"):
-        job.task_ids(tiny_config(task_ids="ten"), info)
+        schedule.task_ids(tiny_config(task_ids="ten"), info)
     with pytest.raises(ValueError, match="not in envs"):
-        job.parse_urls("room=http://x", ["maze"])
-    assert job.parse_urls("maze=http://a, maze=http://b", ["maze"]) == {"maze": ["http://a", "http://b"]}
-    job.check_run_spec(tiny_config(), tmp_path)
+        setup.parse_urls("room=http://x", ["maze"])
+    assert setup.parse_urls("maze=http://a, maze=http://b", ["maze"]) == {"maze": ["http://a", "http://b"]}
+    schedule.check_run_spec(tiny_config(), tmp_path)
     with pytest.raises(ValueError, match="other settings"):
-        job.check_run_spec(tiny_config(horizon=3), tmp_path)
+        schedule.check_run_spec(tiny_config(horizon=3), tmp_path)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ UNWANTED = ("os.fork()", "_CHECKPOINT_METADATA", "PyTorch was not found", "Trace
 def _tiny_run(workdir) -> tuple[dict, object]:
     """A 2-step RL job (stderr is a pipe, so progress comes as plain lines): its overrides and output."""
     overrides = {**TINY_RL_JOB, "workdir": workdir, "train.steps": STEPS, "train.checkpoint_every": STEPS,
-                 "horizon.steps_per_stage": 1}
+                 "horizon_schedule.steps_per_stage": 1}
     done = launch("configs/quickstart.py", overrides, timeout=600, without_torch=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return overrides, done

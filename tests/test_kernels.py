@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.config import ConfigError
-from agentgym_jax.job import setup
+from agentgym_jax.job import settings
 from agentgym_jax.models.cache import attention_mask
 from agentgym_jax.models.decoder import flash_attention, grouped_attention
 from agentgym_jax.models.kernels import AttentionKernels, ragged_decode_attention, splash_attention
@@ -101,9 +101,9 @@ def test_auto_picks_each_kernel_on_its_backend_and_a_wrong_one_is_a_config_error
     assert AttentionKernels.for_backend("xla", "xla", backend="tpu") == AttentionKernels()
     config = setup_config(attention_kernel="splash")
     with pytest.raises(ConfigError, match="config.model: training attention kernel 'splash' runs on tpu, not cpu"):
-        setup.attention_kernels(config)
+        settings.attention_kernels(config)
     with pytest.raises(ConfigError, match="decode attention kernel 'paged' is not one of xla, triton"):
-        setup.attention_kernels(setup_config(decode_kernel="paged"))
+        settings.attention_kernels(setup_config(decode_kernel="paged"))
 
 
 def setup_config(**model):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.models import build_tokenizer as bt
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
 from environments.maze import env as maze
 from environments.maze.env import MazeEnv
-from environments.maze.moves import count_moves, oracle_moves, replay
+from environments.maze.moves import count_moves, decoder, oracle_moves, read_records, replay
 from tests.test_maze import TWO_ROUTES
 
 
@@ -55,7 +58,7 @@ def test_replay_stops_at_the_goal_and_counts_the_success():
     assert (counts.moves, counts.closer, counts.into_wall, counts.revisit, counts.success) == (14, 14, 0, 0, 1)
 
 
-def test_count_moves_groups_by_policy_version_and_skips_other_environments():
+def test_count_moves_groups_by_policy_version_and_skips_other_environments(tmp_path):
     vocab = ["Action: move up", "Action: move down", "hello"]  # token id i decodes to vocab[i]
 
     def trajectory(env_name: str, version: int, ids: list[int]) -> Trajectory:
@@ -73,7 +76,8 @@ def test_count_moves_groups_by_policy_version_and_skips_other_environments():
     second = 2 if first else int(not maze.layouts.is_open(layout, two_up))
     runs = [trajectory("maze", 0, [0]), trajectory("maze", 0, [0, 0]), trajectory("maze", 3, [1]),
             trajectory("room", 3, [0, 0, 0])]
-    by_version = count_moves(runs, lambda ids: "".join(vocab[i] for i in ids))
+    write_jsonl(str(tmp_path / "runs.jsonl"), runs)  # read back as the library writes them
+    by_version = count_moves(read_records(tmp_path / "runs.jsonl"), lambda ids: "".join(vocab[i] for i in ids))
     assert sorted(by_version) == [0, 3]
     assert (by_version[0].episodes, by_version[0].moves, by_version[3].episodes, by_version[3].moves) == (2, 3, 1, 1)
     assert by_version[0].into_wall == int(first) + second
@@ -89,3 +93,12 @@ def test_oracle_moves_match_what_the_layouts_allow():
     assert shortest.success == within and shortest.closer == shortest.moves and shortest.into_wall == 0
     local = oracle_moves("local", test_ids, max_moves=12)
     assert local.success / len(test_ids) == 0.52 and local.into_wall == 0  # test_maze.py's figure, counted here
+
+
+def test_the_tool_decodes_a_policy_turn_as_the_library_s_tokenizer_does(tmp_path):
+    """moves.py reads tokenizer.json itself (a server-side tool imports nothing of the library)."""
+    folder = bt.build_tokenizer(tmp_path, [maze.INSTRUCTION, "Thought: the goal is up.\nAction: move up"], 400)
+    framing = ChatFraming(load_tokenizer(folder))
+    ids = list(framing.assistant_ids("Thought: the goal is above me, to my left.\nAction: move left").ids)  # + end of turn
+    assert decoder(folder)(ids) == framing.tokenizer.decode(ids, skip_special_tokens=True)
+    assert decoder(folder)(ids).endswith("Action: move left")

@@ -108,7 +108,7 @@ class Processes:
 
 
 # Each process: the policy's float32 params sharded over all 8 devices of both processes, then
-# the weights its sampler reads (`setup.sampler_params`) and one greedy turn sampled with them.
+# the weights its sampler reads (`setup.local_policy`) and one greedy turn sampled with them.
 SAMPLER_WEIGHTS = """
 import json, pathlib, jax, numpy as np
 from jax.experimental import multihost_utils
@@ -125,9 +125,9 @@ config = quickstart.get_config()
 config.model.compute_dtype = "bfloat16"
 model = ModelConfig.small("qwen2", vocab_size=128, hidden_size=64, intermediate_size=128)
 mesh = make_mesh(1, -1, 1)
-job = setup.Job(pathlib.Path("."), mesh, setup.sampler_mesh(config), [], None)
+job = setup.Job(pathlib.Path("."), mesh, setup.sampler_mesh(config), config.env, {}, {})
 params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(0), value_head=True)
-weights = setup.sampler_params(config, job, params)
+weights = setup.local_policy(config, job, params)
 sampler = Sampler.sharded_decoder(model, SamplingConfig(max_new_tokens=4, temperature=0.0), job.sampler_mesh,
                                   max_cache_len=64, dtype="bfloat16")
 full = multihost_utils.process_allgather({k: v for k, v in params.items() if k != "value_head"}, tiled=True)
@@ -178,7 +178,7 @@ def _rl_command(workdir: pathlib.Path) -> list[str]:
         "rollout.max_tokens_per_turn": 8, "rollout.max_cache_len": 512,
         "algo.advantage": "reinforce_plus_plus", "algo.num_minibatches": 1,
         "algo.entropy_coef": 0.1,  # a gradient at every step, whatever the (here all-zero) rewards
-        "horizon.rounds": "(1,1)", "horizon.steps_per_stage": 2,
+        "horizon_schedule.horizons": "(1,1)", "horizon_schedule.steps_per_stage": 2,
         "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
         "tokenizer.vocab_size": 320,
     })

@@ -23,7 +23,7 @@ STEPS = 10
 def test_shortened_quickstart_improves_held_out_success(tmp_path):
     overrides = {
         "workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS,
-        "horizon.steps_per_stage": 4, "eval.num_tasks": 32,
+        "horizon_schedule.steps_per_stage": 4, "eval.num_tasks": 32,
     }
     summary = run_rl_job("configs/quickstart.py", overrides)
     tasks, before, after = summary.tasks, summary.before, summary.after

@@ -10,6 +10,7 @@ import pytest
 from rl_batches import random_loss_mask, with_garbage
 
 from agentgym_jax.rl import correction, losses
+from tests.updates import update as make_update
 
 BATCH, SEQ = 8, 20
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -131,10 +132,10 @@ def test_update_weights_the_policy_loss_by_trainer_over_sampler(options, level, 
     from agentgym_jax.models.decoder import init_params
     from agentgym_jax.train import steps
 
-    config = steps.UpdateConfig(model=MODEL, is_cap=1.2, **options)
+    config = make_update(MODEL, is_cap=1.2, **options)
     params = init_params(MODEL, jax.random.PRNGKey(0))
     batch = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 1])
-    trainer, _, _ = jax.jit(steps.token_logprobs, static_argnames="config")(params, batch.tokens, batch.positions, config)
+    trainer, _, _ = jax.jit(steps.token_logprobs, static_argnames="forward")(params, batch.tokens, batch.positions, config.forward)
     mask = np.asarray(batch.loss_mask) > 0
     sampler = np.asarray(trainer) + np.random.default_rng(0).normal(scale=0.2, size=mask.shape).astype(np.float32)
     batch = batch.replace(old_logprobs=jnp.asarray(sampler))

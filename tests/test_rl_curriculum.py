@@ -6,8 +6,10 @@ import collections
 import ml_collections
 import pytest
 
+from agentgym_jax.config import ConfigError
 from agentgym_jax.rl import curriculum
-from agentgym_jax.train.jobs import task_batch
+from agentgym_jax.train import settings
+from agentgym_jax.job.play import task_batch
 from environments.textcraft.env import TextCraftEnv
 
 
@@ -18,7 +20,7 @@ def info():
 
 def test_each_stage_draws_only_training_tasks_up_to_its_depth(info):
     depth, train = info.metadata["depth"], info.splits["train"]
-    plan = curriculum.from_config(ml_collections.ConfigDict({"key": "depth", "max_grades": (1, 2, 4), "steps_per_stage": 3}))
+    plan = settings.curriculum(ml_collections.ConfigDict({"key": "depth", "max_grades": (1, 2, 4), "steps_per_stage": 3}))
     by_depth = collections.Counter(depth[i] for i in train)
     assert {1, 2, 3} <= set(by_depth)  # the split grades its tasks 1..4
     for step, bound in [(0, 1), (2, 1), (3, 2), (5, 2), (6, 4), (40, 4)]:
@@ -46,8 +48,8 @@ def test_off_draws_every_training_task_and_a_resumed_step_draws_the_same(info):
     ({"key": "depth", "max_grades": (1,), "steps_per_stage": 0}, "steps_per_stage must be a positive integer"),
 ])
 def test_bad_configs_are_refused(config, message):
-    with pytest.raises(ValueError, match=message):
-        curriculum.from_config(ml_collections.ConfigDict(config))
+    with pytest.raises(ConfigError, match=message):
+        settings.curriculum(ml_collections.ConfigDict(config))
 
 
 def test_a_key_the_environment_lacks_or_an_empty_stage_is_refused_before_any_work(info):

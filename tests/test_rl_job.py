@@ -13,7 +13,7 @@ import pytest
 
 from agentgym_jax.rl.horizon import stepwise
 from agentgym_jax.train.metrics import read_metrics
-from agentgym_jax.train.jobs import task_batch
+from agentgym_jax.job.play import task_batch
 from environments.room.env import RoomEnv
 from tests.rl_runs import TINY_RL_JOB, launch_command
 from tests.test_metrics import _tensorboard_scalars
@@ -31,7 +31,7 @@ def _command(workdir: pathlib.Path, algo: dict) -> list[str]:
     """A tiny job: every number is as small as the path through the code allows."""
     overrides = {
         **TINY_RL_JOB, "workdir": workdir, "seed": 3, **algo,
-        "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10, "horizon.steps_per_stage": 2,
+        "train.steps": STEPS, "train.checkpoint_every": 2, "train.keep_checkpoints": 10, "horizon_schedule.steps_per_stage": 2,
     }
     return launch_command("configs/quickstart.py", overrides)
 

@@ -11,8 +11,7 @@ from agentgym_jax.config import load_config_file
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import init_params
 from agentgym_jax.rollout.trajectory import Trajectory
-from agentgym_jax.train import jobs
-from agentgym_jax.train.jobs import optim_config, rl_optim_config
+from agentgym_jax.train import settings
 from agentgym_jax.train.sft import sft_num_updates, sft_train
 from agentgym_jax.train.state import TrainState, make_optimizer
 from agentgym_jax.train.steps import make_step_fns
@@ -52,9 +51,9 @@ def quickstart(**overrides):
 def test_rl_cosine_schedule_lasts_until_the_last_update(warmup_steps):
     config = quickstart(**{"optim.lr_schedule": "cosine", "optim.warmup_steps": warmup_steps, "train.steps": 24,
                            "algo.ppo_epochs": 2, "algo.num_minibatches": 2})
-    update_config = jobs.update_config(config, MODEL, temperature=jobs.rl_temperature(config))
-    assert update_config.updates_per_step == 4
-    rates = learning_rates(make_optimizer(rl_optim_config(config, update_config.updates_per_step)), 24 * 4 + 1)
+    update_config = settings.update(config, MODEL, objective="rl")
+    assert update_config.batching.updates_per_step == 4
+    rates = learning_rates(make_optimizer(settings.rl_optim(config, update_config.batching.updates_per_step)), 24 * 4 + 1)
     assert min(rates[:96]) > 0 and rates[95] < 1e-3 * config.optim.lr  # > 0 until the last update ...
     assert rates[96] == 0.0  # ... and 0 after it
     if warmup_steps:
@@ -65,13 +64,13 @@ def test_an_rl_step_makes_the_updates_the_schedule_counts():
     from test_train_steps import _batch  # a small random RL batch
 
     config = quickstart(**{"algo.ppo_epochs": 2, "algo.num_minibatches": 2, "algo.kl_coef": 0.0})
-    update_config = jobs.update_config(config, MODEL, temperature=jobs.rl_temperature(config))
-    tx = make_optimizer(rl_optim_config(config, update_config.updates_per_step))
+    update_config = settings.update(config, MODEL, objective="rl")
+    tx = make_optimizer(settings.rl_optim(config, update_config.batching.updates_per_step))
     state = TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
     fns = make_step_fns(update_config)
     rl_batch, _ = fns.prepare(state.params, state.params, _batch())
     state, _ = fns.rl_update(state, rl_batch)
-    assert int(state.step) == update_config.updates_per_step == 4
+    assert int(state.step) == update_config.batching.updates_per_step == 4
 
 
 def test_sft_warm_start_schedule_spans_its_own_updates():
@@ -81,10 +80,10 @@ def test_sft_warm_start_schedule_spans_its_own_updates():
     config = quickstart(**{"optim.lr_schedule": "cosine", "sft.epochs": 3, "sft.batch_size": 2})
     updates = sft_num_updates(len(demos), config.sft.batch_size, config.sft.epochs)
     assert updates == 9  # 3 epochs x ceil(5 / 2) batches
-    tx = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
+    tx = make_optimizer(settings.optim(config, updates, lr=config.sft.lr))
     rates = learning_rates(tx, updates + 1)
     assert min(rates[:updates]) > 0 and rates[updates] == 0.0
-    update_config = jobs.update_config(config, MODEL)
+    update_config = settings.update(config, MODEL)
     state = TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
     state, history = sft_train(state, demos, update_config, batch_size=2, epochs=3, seed=0, progress=False)
     assert len(history) == int(state.step) == updates

@@ -17,7 +17,8 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.sampling.sampler import Sampler
-from agentgym_jax.train import jobs, steps
+from agentgym_jax.train import settings, steps
+from tests.updates import update as make_update
 
 TEMPERATURE = 0.7
 
@@ -39,7 +40,7 @@ def rollout_batch(framing, model, maze_url, task_info, dtype):  # noqa: F811
 
 
 def gap(model, batch, temperature):
-    config = steps.UpdateConfig(model=model[0], temperature=temperature)
+    config = make_update(model[0], temperature=temperature)
     _, metrics = jax.jit(steps.prepare, static_argnames="config")(model[1], model[1], batch, config=config)
     return float(metrics["logprob_gap"])
 
@@ -58,12 +59,12 @@ def test_logprob_gap_is_the_real_sampler_trainer_mismatch(framing, model, maze_u
 def test_rl_temperature_is_the_rollouts_and_filtering_is_refused():
     config = load_config_file("configs/quickstart.py")
     config.rollout.temperature = 0.8
-    assert jobs.rl_temperature(config) == 0.8
+    assert settings.rl_temperature(config) == 0.8
     model = ModelConfig.small()
-    assert jobs.update_config(config, model, temperature=jobs.rl_temperature(config)).temperature == 0.8
+    assert settings.update(config, model, objective="rl").rl.temperature == 0.8
     for key, value, message in [("top_p", 0.9, "top_p 1.0 .off., got top_k=0, top_p=0.9"),
                                 ("top_k", 20, "top_k must be 0"), ("temperature", 0.0, "0 is greedy")]:
         bad = load_config_file("configs/quickstart.py")
         bad.rollout[key] = value
         with pytest.raises(ConfigError, match=message):
-            jobs.rl_temperature(bad)
+            settings.rl_temperature(bad)

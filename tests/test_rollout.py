@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -472,11 +473,23 @@ def test_env_timeout_passes_through(framing, task_info):
 # ---- demonstrations ---------------------------------------------------------------------------
 
 
+def oracle_demonstrations(url, framing, task_ids, prompt_style="short", **play_kwargs):
+    """The oracle's episodes of `task_ids` on the server at `url`, as demonstration trajectories."""
+    async def play():
+        async with EnvPool(url) as pool:
+            episodes = await demonstrations.play_oracle_episodes(pool, task_ids, **play_kwargs)
+            info = await pool.tasks()
+        return [demonstrations.demonstration_trajectory(framing, info, ep, group_id=i, prompt_style=prompt_style)
+                for i, ep in enumerate(episodes)]
+
+    return run_sync(play())
+
+
 @pytest.mark.parametrize("action_format", [demonstrations.ACTION_ONLY, demonstrations.THOUGHT_ACTION])
 def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, action_format):
     tokenizer = framing.tokenizer
     task_ids = [12, 40, 260]
-    demos = demonstrations.collect_demonstrations(maze_url, framing, task_ids, action_format=action_format)
+    demos = oracle_demonstrations(maze_url, framing, task_ids, action_format=action_format)
     for task_id, t in zip(task_ids, demos):
         moves = oracle_moves(task_id)
         assert t.status == S.SUCCESS and t.reward == 1.0 and t.num_turns == len(moves)
@@ -501,7 +514,7 @@ def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, act
 
 
 def test_agentgym_prompt_style_masks_the_acknowledgement(framing, maze_url, task_info):
-    [t] = demonstrations.collect_demonstrations(maze_url, framing, [12], prompt_style="agentgym", horizon=2)
+    [t] = oracle_demonstrations(maze_url, framing, [12], prompt_style="agentgym", horizon=2)
     assert t.status == S.MAX_TURNS and t.num_turns == 2
     prompt = framing.tokenizer.decode(t.token_ids[: t.turn_spans[0][0]])
     acknowledged = "<|im_start|>assistant\nOk.<|im_end|>"
@@ -526,7 +539,7 @@ def test_bad_config_and_sampler_are_refused(framing, sampler, task_info):
     with pytest.raises(ValueError, match="max_new_tokens"):
         RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW + 1))
     with pytest.raises(ValueError, match="action_format"):
-        demonstrations.collect_demonstrations("http://127.0.0.1:1", framing, [0], action_format="Action:")
+        run_sync(demonstrations.play_oracle_episodes(EnvPool("http://127.0.0.1:1"), [0], action_format="Action:"))
 
 
 def test_padding_stays_inside_the_vocabulary(framing, model):

@@ -606,7 +606,7 @@ def test_the_jobs_sampler_is_sharded_with_its_cache_in_the_compute_dtype(tmp_pat
     from agentgym_jax.models.chat import ChatFraming
     from agentgym_jax.models.config import ModelConfig
     from agentgym_jax.models.tokenizer import load_tokenizer
-    from agentgym_jax.job import setup
+    from agentgym_jax.job import settings, setup
     from configs import quickstart
 
     config = quickstart.get_config()
@@ -614,7 +614,7 @@ def test_the_jobs_sampler_is_sharded_with_its_cache_in_the_compute_dtype(tmp_pat
     config.mesh.update(dict(data=2, fsdp=2, tensor=2))
     framing = ChatFraming(load_tokenizer(bt.build_tokenizer(tmp_path, ["go north", "take the key"], 300)))
     model = ModelConfig.small(vocab_size=len(framing.tokenizer))
-    sampler = setup.make_sampler(config, model, framing, setup.rollout_config(config))
+    sampler = setup.make_sampler(config, model, framing, settings.rollout(config))
     params = sampler.sampling_params(decoder.init_params(model, jax.random.key(0)))
     state = sampler.prefill(params, [[5, 6, 7]])
     assert state.cache.k.dtype == state.cache.v.dtype == jnp.dtype(compute)

@@ -18,7 +18,7 @@ from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout import agentgym_format as agf
-from agentgym_jax.train import sft_job
+from agentgym_jax.train import sft_data
 from agentgym_jax.train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def _schedule_counts(schedule):
 def test_mixture_counts_follow_the_weights_within_four_sigma():
     sizes, weights = {"alfworld": 7, "textcraft": 40, "webshop": 3, "wordle": 5}, {"alfworld": 3, "textcraft": 1, "webshop": 0.5, "wordle": 0}
     steps, batch = 200, 16
-    schedule = sft_job.mixture_schedule(sizes, weights, batch, steps, seed=0)
+    schedule = sft_data.mixture_schedule(sizes, weights, batch, steps, seed=0)
     assert len(schedule) == steps and all(len(rows) == batch for rows in schedule)
     counts, n, total = _schedule_counts(schedule), steps * batch, sum(weights.values())
     # Each row picks env e independently with p_e = w_e / sum(w): count_e ~ Binomial(n, p_e).
@@ -62,10 +62,10 @@ def test_mixture_counts_follow_the_weights_within_four_sigma():
         for start in range(0, len(drawn) - size + 1, size):
             assert sorted(drawn[start : start + size]) == list(range(size)), env
 
-    assert sft_job.mixture_schedule(sizes, weights, batch, steps, seed=0) == schedule  # a fixed seed: one schedule
-    assert sft_job.mixture_schedule(sizes, weights, batch, steps, seed=1) != schedule
+    assert sft_data.mixture_schedule(sizes, weights, batch, steps, seed=0) == schedule  # a fixed seed: one schedule
+    assert sft_data.mixture_schedule(sizes, weights, batch, steps, seed=1) != schedule
     # Empty weights (the job's default): proportional to each environment's rows, i.e. uniform over rows.
-    uniform = _schedule_counts(sft_job.mixture_schedule(sizes, {e: float(s) for e, s in sizes.items()}, batch, steps, 0))
+    uniform = _schedule_counts(sft_data.mixture_schedule(sizes, {e: float(s) for e, s in sizes.items()}, batch, steps, 0))
     for env, size in sizes.items():
         p = size / sum(sizes.values())
         assert abs(uniform[env] - n * p) <= 4 * math.sqrt(n * p * (1 - p)), env
@@ -77,15 +77,15 @@ def test_mixture_counts_follow_the_weights_within_four_sigma():
 )
 def test_bad_weights_are_clear_errors(spec, match):
     with pytest.raises(ConfigError, match=match):
-        sft_job.parse_weights(spec)
+        sft_data.parse_weights(spec)
 
 
 def test_weights_must_name_exactly_the_data_environments():
-    assert sft_job.parse_weights(" webshop=2, alfworld=0.5 ") == {"webshop": 2.0, "alfworld": 0.5}
+    assert sft_data.parse_weights(" webshop=2, alfworld=0.5 ") == {"webshop": 2.0, "alfworld": 0.5}
     with pytest.raises(ConfigError, match=r"names \['webshop'\] but the data has environments \['alfworld', 'webshop'\]"):
-        sft_job.mixture_schedule({"webshop": 3, "alfworld": 2}, {"webshop": 1.0}, 4, 2, 0)
+        sft_data.mixture_schedule({"webshop": 3, "alfworld": 2}, {"webshop": 1.0}, 4, 2, 0)
     with pytest.raises(ConfigError, match="no environment with rows and a positive weight"):
-        sft_job.mixture_schedule({"webshop": 3}, {"webshop": 0.0}, 4, 2, 0)
+        sft_data.mixture_schedule({"webshop": 3}, {"webshop": 0.0}, 4, 2, 0)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_agentgym_files_feed_sft_with_loss_only_on_trained_gpt_turns(framing, tm
     config = ml_collections.ConfigDict(dict(data=dict(
         trajectories="", agentgym=f"{tmp_path / 'textcraft.json'}, {tmp_path / 'webshop.json'}", include_failures=False,
     )))
-    rows = sft_job.load_rows(config, framing)
+    rows = sft_data.load_rows(config, framing)
     assert {env: [t.task_id for t in r] for env, r in rows.items()} == {"textcraft": [3], "webshop": [9]}  # failure dropped
     for (t,), task in ((rows["textcraft"], 3), (rows["webshop"], 9)):
         # The loss covers exactly the policy's own ids of the trained gpt turns (content + end of
@@ -120,7 +120,7 @@ def test_agentgym_files_feed_sft_with_loss_only_on_trained_gpt_turns(framing, tm
         assert sum(t.loss_mask) == sum(len(ids) for ids in expected)
 
     config.data.include_failures = True
-    assert [t.task_id for t in sft_job.load_rows(config, framing)["textcraft"]] == [3, 4]
+    assert [t.task_id for t in sft_data.load_rows(config, framing)["textcraft"]] == [3, 4]
 
 
 STEPS, KILLED_AFTER, BATCH = 8, 4, 8

@@ -229,7 +229,7 @@ def test_sft_demonstrations_come_from_tasks_with_an_oracle_only():
     """The RL job's SFT tasks are drawn from the training tasks `/tasks` lists as having an oracle:
     an oracle-less task's demonstration is an HTTP 501 (`infra_error`), a wasted SFT row."""
     from agentgym_jax.config import ConfigError
-    from agentgym_jax.train.jobs import oracle_train_ids
+    from agentgym_jax.job.play import oracle_train_ids
     from environments.room.env import RoomEnv
 
     info = TextArenaEnv.task_info()

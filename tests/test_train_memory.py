@@ -25,6 +25,8 @@ from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rl.losses import entropy_from_logits
 from agentgym_jax.train import steps
 from agentgym_jax.train.state import TrainState, reference_params
+from tests.updates import replace
+from tests.updates import update as make_update
 from configs import babyai_scalinginter, textcraft_grpo
 
 # test_train_steps' model with a vocabulary no other dimension of these programs has (its batches' ids are < 64)
@@ -65,7 +67,7 @@ def _reference_stats(params, tokens, positions):
 def test_chunked_logprobs_equal_the_full_vocabulary_computation(chunk):
     batch = _batch(rows=4, seq=12)
     params = init_params(MODEL, jax.random.PRNGKey(0))
-    config = steps.UpdateConfig(model=MODEL, logprob_chunk=chunk)
+    config = make_update(MODEL, logprob_chunk=chunk)
     weights = jnp.asarray(np.random.default_rng(0).normal(size=(2, *batch.tokens.shape)), jnp.float32)
 
     def objective(stats_fn):
@@ -74,7 +76,7 @@ def test_chunked_logprobs_equal_the_full_vocabulary_computation(chunk):
             return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * entropy), (logp, entropy)
         return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
-    chunked = objective(lambda p: steps.token_logprobs(p, batch.tokens, batch.positions, config)[:2])
+    chunked = objective(lambda p: steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[:2])
     full = objective(lambda p: _reference_stats(p, batch.tokens, batch.positions))
     (_, got), got_grads = chunked(params)
     (_, want), want_grads = full(params)
@@ -87,7 +89,7 @@ def test_chunked_logprobs_equal_the_full_vocabulary_computation(chunk):
 
     # neither pass holds logits for more than one chunk of positions
     shapes = intermediate_shapes(jax.make_jaxpr(jax.grad(
-        lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config)[0])))(params))
+        lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[0])))(params))
     vocab_shapes = [s for s in shapes if s and s[-1] == VOCAB and len(s) == 3]
     assert vocab_shapes and all(s[1] == chunk for s in vocab_shapes), vocab_shapes
 
@@ -96,8 +98,8 @@ def test_prepare_runs_one_micro_batch_at_a_time_and_equals_one_pass():
     rows, seq = 16, 12
     batch = _batch(rows=rows, seq=seq)
     params = init_params(MODEL, jax.random.PRNGKey(0))
-    split = steps.UpdateConfig(model=MODEL, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
-    whole = dataclasses.replace(split, num_minibatches=1, num_microbatches=1)
+    split = make_update(MODEL, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
+    whole = replace(split, num_minibatches=1, num_microbatches=1)
     ref = jax.tree.map(lambda x: x * 1.01, params)
     got, got_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=split)
     want, want_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=whole)
@@ -117,7 +119,7 @@ def _bf16_check(param_dtype, compute_dtype):
     params = init_params(MODEL, jax.random.PRNGKey(0), param_dtype=jnp.dtype(param_dtype))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
     state = TrainState.create(params, tx, jax.random.PRNGKey(1))
-    config = steps.UpdateConfig(model=MODEL, num_microbatches=2, compute_dtype=compute_dtype)
+    config = make_update(MODEL, num_microbatches=2, compute_dtype=compute_dtype)
     update = jax.jit(steps.sft_update, static_argnames="config")
     batch, losses = _batch(rows=8), []
     for _ in range(3):
@@ -157,8 +159,8 @@ def test_remat_policies_give_the_same_gradient_and_recompute_what_they_say():
     params = init_params(MODEL, jax.random.PRNGKey(0))
 
     def grad(policy):
-        config = steps.UpdateConfig(model=MODEL, remat=policy)
-        loss = lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config)[0])  # noqa: E731
+        config = make_update(MODEL, remat=policy)
+        loss = lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[0])  # noqa: E731
         return jax.jit(jax.grad(loss))(params), primitive_counts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
 
     (want, plain), *others = (grad(policy) for policy in ("none", "full", "dots", True))
@@ -172,23 +174,23 @@ def test_remat_policies_give_the_same_gradient_and_recompute_what_they_say():
 
 def test_unknown_remat_policy_and_bad_chunk_are_clear_errors():
     with pytest.raises(ValueError, match="unknown remat policy 'some'; valid: none, full, dots"):
-        steps.UpdateConfig(model=MODEL, remat="some")
+        make_update(MODEL, remat="some")
     with pytest.raises(ValueError, match="logprob_chunk must be >= 1.*got 0"):
-        steps.UpdateConfig(model=MODEL, logprob_chunk=0)
+        make_update(MODEL, logprob_chunk=0)
 
 
 def test_micro_batch_smaller_than_the_batch_shards_is_a_clear_error():
     mesh = make_mesh(1, 8, 1)
-    config = steps.UpdateConfig(model=MODEL, num_minibatches=2, num_microbatches=8, activation_sharding=batch_sharding(mesh))
+    config = make_update(MODEL, num_minibatches=2, num_microbatches=8, activation_sharding=batch_sharding(mesh))
     steps.check_microbatches(128, config)  # 8 rows per micro-batch: one per shard
     message = (r"mini-batch of 64 rows / num_microbatches=16 = 4 rows per micro-batch, but the mesh has 8 batch "
                r"shards \(data x fsdp\).*set num_microbatches to a divisor of 8")
     with pytest.raises(ValueError, match=message):
-        steps.check_microbatches(128, dataclasses.replace(config, num_microbatches=16))
+        steps.check_microbatches(128, replace(config, num_microbatches=16))
     with pytest.raises(ValueError, match="no num_microbatches fits"):
-        steps.check_microbatches(12, dataclasses.replace(config, num_minibatches=1, num_microbatches=1))
+        steps.check_microbatches(12, replace(config, num_minibatches=1, num_microbatches=1))
     # the steps themselves refuse such a batch when they are traced
-    fns = steps.make_step_fns(dataclasses.replace(config, activation_sharding=None, num_microbatches=16), mesh,
+    fns = steps.make_step_fns(replace(config, activation_sharding=None, num_microbatches=16), mesh,
                               steps.train_state_shardings(jax.eval_shape(
                                   lambda: TrainState.create(init_params(MODEL, jax.random.PRNGKey(0)),
                                                             optax.sgd(0.1), jax.random.PRNGKey(1))), mesh))
@@ -202,10 +204,10 @@ def test_large_model_configs_split_their_micro_batches_over_8_devices(module):
     config = module.get_config()
     assert (config.model.param_dtype, config.model.compute_dtype) == ("float32", "bfloat16")
     rows = config.rollout.batch_tasks * config.rollout.group_size
-    update = steps.UpdateConfig(
-        model=MODEL, num_minibatches=config.algo.num_minibatches, num_microbatches=config.algo.num_microbatches,
+    update = make_update(
+        MODEL, num_minibatches=config.algo.num_minibatches, num_microbatches=config.algo.num_microbatches,
         remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
         activation_sharding=batch_sharding(make_mesh(1, 8, 1)),
     )
     steps.check_microbatches(rows, update)
-    assert rows // (update.num_minibatches * update.num_microbatches) == 8  # rows per micro-batch
+    assert rows // (update.batching.num_minibatches * update.batching.num_microbatches) == 8  # rows per micro-batch

@@ -10,7 +10,6 @@ reference update (`single_device_update`). XLA optimisations are off for this mo
 comparison is with numpy or with a step compiled the same way.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -29,13 +28,15 @@ from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train import steps
 from agentgym_jax.train.state import TrainState
+from tests.updates import replace
+from tests.updates import update as make_update
 
 MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
 TX = optax.sgd(1e-2, momentum=0.9)  # momentum: an optimizer state that mirrors the params
 # Epochs x mini-batches x micro-batches and a KL term: the shared config of most tests below, on
 # EPOCH_ROWS rows: 4 per micro-batch, one per batch shard of the largest mesh below (data 2 x fsdp 2).
-EPOCHS = steps.UpdateConfig(model=MODEL, ppo_epochs=3, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
+EPOCHS = make_update(MODEL, ppo_epochs=3, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
 EPOCH_ROWS = 16
 rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
 
@@ -92,10 +93,10 @@ def single_device_update():
 
 def test_token_logprobs_line_up_with_the_tokens_they_score():
     batch = _batch()
-    config = steps.UpdateConfig(model=MODEL)
+    config = make_update(MODEL)
     params = _state().params
-    logp, entropy, _ = jax.jit(steps.token_logprobs, static_argnames="config")(
-        params, batch.tokens, batch.positions, config
+    logp, entropy, _ = jax.jit(steps.token_logprobs, static_argnames="forward")(
+        params, batch.tokens, batch.positions, config.forward
     )
     logits, _ = jax.jit(forward, static_argnames="config")(params, batch.tokens, batch.positions, config=MODEL)
     logits = np.asarray(logits, np.float64)
@@ -111,7 +112,7 @@ def test_token_logprobs_line_up_with_the_tokens_they_score():
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_micro_batch_accumulation_gives_the_full_batch_gradient(agg_mode):
     batch = _batch()
-    full, micro = (steps.UpdateConfig(model=MODEL, agg_mode=agg_mode, num_microbatches=n) for n in (1, 4))
+    full, micro = (make_update(MODEL, agg_mode=agg_mode, num_microbatches=n) for n in (1, 4))
     a, metrics_a = step_fns(full).sft_update(_state(), batch)
     b, metrics_b = step_fns(micro).sft_update(_state(), batch)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), a.params, b.params)
@@ -124,7 +125,7 @@ def test_length_buckets_are_the_sequence_and_its_halvings():
     assert steps.length_buckets(128, 4) == (128, 64)  # never below one multiple
     assert steps.length_buckets(3072, 1) == (3072,)
     with pytest.raises(ValueError, match="length_buckets must be >= 1, got 0"):
-        steps.UpdateConfig(model=MODEL, length_buckets=0)
+        make_update(MODEL, length_buckets=0)
 
 
 def _ragged_batch(rows: int, seq: int, lengths: np.ndarray) -> TokenBatch:
@@ -140,8 +141,8 @@ def _ragged_batch(rows: int, seq: int, lengths: np.ndarray) -> TokenBatch:
 
 
 RAGGED_LENGTHS = np.array([200, 14, 60, 256, 24, 120, 18, 66, 40, 128, 10, 180, 30, 80, 50, 22])
-PADDED = dataclasses.replace(EPOCHS, num_minibatches=1, num_microbatches=4)  # 4 rows per micro-batch
-GROUPED = dataclasses.replace(PADDED, length_buckets=3)  # 256 / 128 / 64
+PADDED = replace(EPOCHS, num_minibatches=1, num_microbatches=4)  # 4 rows per micro-batch
+GROUPED = replace(PADDED, length_buckets=3)  # 256 / 128 / 64
 # Rows of 200, 256, 120 and 180 tokens that train nothing (a group dynamic sampling left out): they
 # need no position, and grouped, they fill a micro-batch that is not run at all.
 DROPPED = np.array([0, 3, 5, 11])
@@ -166,7 +167,7 @@ def ragged_updates():
         fns = step_fns(config)
         state = _state()
         rl_batch, prep_metrics = fns.prepare(state.params, state.params, batch)
-        results[config.length_buckets] = (rl_batch, prep_metrics, *fns.rl_update(state, rl_batch))
+        results[config.batching.length_buckets] = (rl_batch, prep_metrics, *fns.rl_update(state, rl_batch))
     return batch, results
 
 
@@ -296,7 +297,7 @@ def test_updates_raise_the_likelihood_of_positive_advantage_rows():
 
 def test_gae_uses_the_value_head_and_trains_it():
     batch = _batch()
-    config = steps.UpdateConfig(model=MODEL, advantage="gae", gamma=1.0, lam=1.0)
+    config = make_update(MODEL, advantage="gae", gamma=1.0, lam=1.0)
     fns = step_fns(config)
     state = _state(optax.adam(1e-2), value_head=True)
     rl_batch, _ = fns.prepare(state.params, state.params, batch)
@@ -332,7 +333,7 @@ def test_sharded_update_matches_single_device_and_compiles_once(shape, kernels, 
     mesh = make_mesh(*shape)
     state = _state()
     shardings = steps.train_state_shardings(state, mesh)
-    fns = steps.make_step_fns(dataclasses.replace(EPOCHS, kernels=kernels), mesh, shardings)
+    fns = steps.make_step_fns(replace(EPOCHS, kernels=kernels), mesh, shardings)
     state = jax.device_put(state, shardings)
     rl_batch, prep_metrics = fns.prepare(state.params, state.params, _batch(EPOCH_ROWS))
     state, metrics = fns.rl_update(state, rl_batch)

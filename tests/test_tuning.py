@@ -22,6 +22,7 @@ from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train import steps
 from agentgym_jax.train.state import TrainState
+from tests.updates import update as make_update
 
 MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
                           num_heads=4, num_kv_heads=2, head_dim=8)
@@ -146,7 +147,7 @@ def test_updates_train_only_the_trainable_part_and_shard(params, spec):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(frozen))  # frozen in the compute dtype
     state = TrainState.create(trainable, tx, jax.random.PRNGKey(2), frozen=frozen)
     assert jax.tree.structure(state.opt_state[0].trace) == jax.tree.structure(trainable)  # only what trains is optimised
-    config = steps.UpdateConfig(model=MODEL, num_microbatches=2, lora_scale=spec.lora_scale, compute_dtype="float32")
+    config = make_update(MODEL, num_microbatches=2, lora_scale=spec.lora_scale, compute_dtype="float32")
     batch = _batch()
     one = steps.make_step_fns(config).sft_update
     updated, metrics = one(jax.tree.map(jnp.copy, state), batch)
@@ -195,7 +196,7 @@ def test_a_tuned_rl_job_trains_adapters_and_exports_the_merged_policy(tmp_path):
     from tests.rl_runs import TINY_RL_JOB, run_rl_job
 
     overrides = {**TINY_RL_JOB, "workdir": tmp_path, "train.steps": 2, "train.checkpoint_every": 1,
-                 "horizon.steps_per_stage": 1, "model.lora_rank": 2, "model.trainable_layers": 1}
+                 "horizon_schedule.steps_per_stage": 1, "model.lora_rank": 2, "model.trainable_layers": 1}
     summary = run_rl_job("configs/quickstart.py", overrides)
     assert summary.env == "room"
     state, _ = Checkpointer(str(tmp_path / "checkpoints"), every=1).restore_raw(2)  # (train state, reference)

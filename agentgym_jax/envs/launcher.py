@@ -37,7 +37,7 @@ from absl import logging
 
 from agentgym_jax.aio import run_sync
 from agentgym_jax.config import ConfigError
-from agentgym_jax.envs.pool import EnvPool, Episode
+from agentgym_jax.envs.pool import EnvPool, PlayedEpisode
 from agentgym_jax.envs.protocol import EpisodeStatus
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-async def play_oracle_episode(url: str, auth_token: str = "", horizon: int = 500) -> Episode:
+async def play_oracle_episode(url: str, auth_token: str = "", horizon: int = 500) -> PlayedEpisode:
     """Plays the first test task (or the first task) of the server's environment with its oracle."""
     async with EnvPool(url, auth_token=auth_token, max_concurrency=4) as pool:
         info = await pool.tasks()
@@ -204,7 +204,7 @@ async def play_oracle_episode(url: str, auth_token: str = "", horizon: int = 500
         return await pool.run_episode(split[0], pool.oracle_policy, horizon=horizon)
 
 
-async def _gather(*episodes: Awaitable[Episode]) -> list[Episode]:
+async def _gather(*episodes: Awaitable[PlayedEpisode]) -> list[PlayedEpisode]:
     return list(await asyncio.gather(*episodes))
 
 

@@ -76,19 +76,19 @@ class SlotResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class Turn:
+class PlayedTurn:
     action: str
     observation: str
     reward: float
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
+class PlayedEpisode:
     """A whole episode played by `run_episode`: the transcript and how it ended."""
 
     data_idx: int
     first_observation: str
-    turns: tuple[Turn, ...]
+    turns: tuple[PlayedTurn, ...]
     status: EpisodeStatus
     info: dict[str, Any]  # the last step's info (`success`, `score`, ...)
     error: str | None = None
@@ -283,12 +283,12 @@ class EnvPool:
 
     # -- whole episodes and server info -------------------------------------------------------
 
-    async def run_episode(self, data_idx: int, policy: Policy, horizon: int = 100) -> Episode:
+    async def run_episode(self, data_idx: int, policy: Policy, horizon: int = 100) -> PlayedEpisode:
         """Plays task `data_idx` to the end on a slot of its own, e.g. with `self.oracle_policy`."""
         slot = next(self._scratch_slots)
         try:
             first = await self.reset(slot, data_idx)
-            turns: list[Turn] = []
+            turns: list[PlayedTurn] = []
             last = first
             while last.status is None and len(turns) < horizon:
                 try:
@@ -297,9 +297,9 @@ class EnvPool:
                     last = await self._end(slot, self._slots[slot], _EpisodeEnded(EpisodeStatus.INFRA_ERROR, e), release=True)
                     break
                 last = await self.step(slot, action)
-                turns.append(Turn(action, last.observation, last.reward))
+                turns.append(PlayedTurn(action, last.observation, last.reward))
             status = last.status or EpisodeStatus.MAX_TURNS
-            return Episode(data_idx, first.observation, tuple(turns), status, last.info, last.error)
+            return PlayedEpisode(data_idx, first.observation, tuple(turns), status, last.info, last.error)
         finally:
             state = self._slots.pop(slot, None)
             if state is not None and state.session_id is not None:

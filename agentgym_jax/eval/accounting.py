@@ -60,7 +60,7 @@ class EpisodeRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
+class CountedEpisode:
     """One scheduled (task, sample) after retries are resolved; `record` is None if missing."""
 
     env: str
@@ -136,7 +136,7 @@ def counted_episodes(
     thresholds: Mapping[str, float],
     group_size: int,
     task_ids: Mapping[str, Sequence[int]] | None = None,
-) -> list[Episode]:
+) -> list[CountedEpisode]:
     """The scheduled episodes, sorted, each with the record that counts (its last attempt).
 
     `thresholds`: env -> success threshold (`TaskInfo.success_threshold`). `task_ids`: env -> the
@@ -182,12 +182,12 @@ def counted_episodes(
                 success = scored and record.reward >= thresholds[env]
                 mismatch = scored and (record.status == EpisodeStatus.SUCCESS) != success
                 retries = max(len(attempts) - 1, 0)
-                episodes.append(Episode(env, task, sample, record, success, retries, mismatch))
+                episodes.append(CountedEpisode(env, task, sample, record, success, retries, mismatch))
     return episodes
 
 
 def compute_metrics(
-    episodes: Sequence[Episode], group_size: int, ks: Sequence[int] | None = None, same_scale: bool = True
+    episodes: Sequence[CountedEpisode], group_size: int, ks: Sequence[int] | None = None, same_scale: bool = True
 ) -> Metrics:
     """Metrics of `episodes` (all scheduled samples of each of their tasks).
 
@@ -197,7 +197,7 @@ def compute_metrics(
     ks = tuple(ks) if ks is not None else default_ks(group_size)
     if any(not 1 <= k <= group_size for k in ks):
         raise ValueError(f"every k must be in 1..{group_size} (group_size), got {ks}")
-    per_task: dict[tuple[str, int], list[Episode]] = collections.defaultdict(list)
+    per_task: dict[tuple[str, int], list[CountedEpisode]] = collections.defaultdict(list)
     for e in episodes:
         per_task[(e.env, e.task_id)].append(e)
     if any(len(group) != group_size for group in per_task.values()):
@@ -239,7 +239,7 @@ def compute_metrics(
 class EvalSummary:
     per_env: dict[str, Metrics]
     overall: Metrics  # pooled over all episodes of all environments
-    episodes: list[Episode]  # the counted episodes, for per-task views and plots
+    episodes: list[CountedEpisode]  # the counted episodes, for per-task views and plots
 
     def to_json(self) -> dict:
         """Plain JSON: rates as {numerator, denominator, value, low, high}; episodes left out."""
@@ -258,7 +258,7 @@ def summarize(
 ) -> EvalSummary:
     """Per-environment and overall metrics of an evaluation run (see `counted_episodes`)."""
     episodes = counted_episodes(records, thresholds, group_size, task_ids)
-    by_env: dict[str, list[Episode]] = collections.defaultdict(list)
+    by_env: dict[str, list[CountedEpisode]] = collections.defaultdict(list)
     for e in episodes:
         by_env[e.env].append(e)
     per_env = {env: compute_metrics(group, group_size, ks) for env, group in sorted(by_env.items())}
@@ -266,7 +266,7 @@ def summarize(
     return EvalSummary(per_env=per_env, overall=overall, episodes=episodes)
 
 
-def task_success_rates(episodes: Iterable[Episode]) -> dict[tuple[str, int], float]:
+def task_success_rates(episodes: Iterable[CountedEpisode]) -> dict[tuple[str, int], float]:
     """(env, task) -> end-to-end success rate over its scheduled samples."""
     groups: dict[tuple[str, int], list[bool]] = collections.defaultdict(list)
     for e in episodes:

@@ -21,9 +21,10 @@ import pathlib
 import ml_collections
 from absl import logging
 
-from agentgym_jax.aio import run_sync
-from agentgym_jax.eval import job
-from agentgym_jax.eval.runner import TRAJECTORIES_NAME, play_all
+from agentgym_jax.eval.runner import TRAJECTORIES_NAME, play_schedule
+from agentgym_jax.eval.schedule import check_run_spec, task_ids
+from agentgym_jax.job import setup
+from agentgym_jax.parallel import distributed
 from agentgym_jax.parallel.distributed import is_writer
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.collect import last_attempts
@@ -44,13 +45,16 @@ def dataset_records(records: list[Trajectory], envs: list[str], only_successful:
 
 def run(config: ml_collections.ConfigDict) -> list[Trajectory]:
     out_dir = pathlib.Path(config.out_dir)
-    with job.open_job(config, out_dir) as run_job:
-        infos, framing = run_job.infos, run_job.framing
-        records = run_sync(play_all(
-            run_job.policy, run_job.pools, infos, run_job.shares, out_dir, group_size=config.group_size,
-            horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
-            batch_episodes=config.batch_episodes, progress=is_writer(),
-        ))
+    distributed.initialize_distributed()
+    check_run_spec(config, out_dir)
+    with setup.open_job(config) as job:
+        infos = job.infos
+        policy, framing = setup.make_policy(config, infos, out_dir)
+        records = play_schedule(
+            policy, {env: job.pool(env) for env in infos}, infos, {env: task_ids(config, info) for env, info in infos.items()},
+            out_dir, group_size=config.group_size, horizon=config.horizon, seed=config.seed,
+            max_attempts=config.max_attempts, batch_episodes=config.batch_episodes,
+        )
     dataset = dataset_records(records, list(infos), config.only_successful)
     if not is_writer():
         return dataset

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from agentgym_jax.eval.accounting import Episode, EvalSummary, Metrics, Rate  # noqa: E402
+from agentgym_jax.eval.accounting import CountedEpisode, EvalSummary, Metrics, Rate  # noqa: E402
 from agentgym_jax.eval.paired import PairedComparison  # noqa: E402
 
 JSON_NAME = "summary.json"
@@ -109,7 +109,7 @@ def plot_success_by_env(summary: EvalSummary, path: str) -> None:
     plt.close(fig)
 
 
-def success_within_turns(episodes: list[Episode]) -> tuple[list[int], list[float]]:
+def success_within_turns(episodes: list[CountedEpisode]) -> tuple[list[int], list[float]]:
     """Turn counts t = 0..max and the share of `episodes` that succeeded within t turns."""
     success_turns = [e.record.num_turns for e in episodes if e.success]
     max_turns = max((e.record.num_turns for e in episodes if e.record is not None), default=0)

@@ -6,6 +6,8 @@ Per environment, every (task, sample) is played (`rollout/collect.py`: batches, 
 infrastructure errors as new attempts, `trajectories.jsonl` written as it goes, resumable), then
 `eval/accounting.py` summarizes the records against the schedule and `eval/report.py` writes
 summary.json, summary.md and the PNG plots to `out_dir`. Definitions: docs/evaluation.md.
+Servers, policy and pools come from the one job setup (`job/setup.py`); the episodes are played
+by the one evaluation every mode uses (`job/play.evaluate`).
 With several processes, each plays its share of the tasks into its own `trajectories.p<k>.jsonl`,
 and process 0 summarizes every process's records and writes the report once.
 """
@@ -19,42 +21,36 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 from absl import logging
 
-from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.eval import job
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
-from agentgym_jax.job.setup import gather_trajectories, process_file
+from agentgym_jax.eval.schedule import check_run_spec, task_ids
+from agentgym_jax.job import play, setup
+from agentgym_jax.parallel import distributed
 from agentgym_jax.parallel.distributed import is_writer
-from agentgym_jax.rollout.collect import Policy, collect, resume_jsonl
+from agentgym_jax.rollout.collect import Policy, resume_jsonl
 from agentgym_jax.rollout.trajectory import Trajectory
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
 SCHEDULE_NAME = "schedule.json"  # what `load_summary` (and `eval/compare.py`) needs to recount a run
 
 
-async def play_all(
+def play_schedule(
     policy: Policy,
     pools: Mapping[str, EnvPool],
     infos: Mapping[str, TaskInfo],
     schedule: Mapping[str, Sequence[int]],
     out_dir: pathlib.Path,
-    **collect_kwargs,
-) -> list:
-    """Every environment's scheduled episodes (this process's `schedule`), one after the other,
-    into this process's JSONL file; returns the records of every process."""
-    records = []
-    path = process_file(out_dir, TRAJECTORIES_NAME)
-    for env, pool in pools.items():
-        if not schedule[env]:
-            continue
-        async with pool:
-            records += await collect(policy, pool, infos[env], schedule[env], path=path, **collect_kwargs)
-    return gather_trajectories(records)
+    **play_kwargs,
+) -> list[Trajectory]:
+    """Every environment's scheduled episodes (`job/play.evaluate`, each process its share), one
+    environment after the other, into this process's `trajectories.jsonl`; every process's records."""
+    return [t for env, pool in pools.items() if schedule[env]
+            for t in play.evaluate(policy, pool, infos[env], schedule[env], out_dir / TRAJECTORIES_NAME, **play_kwargs)]
 
 
-def evaluate(
+def report(
     policy: Policy,
     pools: Mapping[str, EnvPool],
     infos: Mapping[str, TaskInfo],
@@ -66,11 +62,9 @@ def evaluate(
     seed: int,
     max_attempts: int = 1,
     batch_episodes: int = 64,
-    progress: bool = True,
-    shares: Mapping[str, Sequence[int]] | None = None,
 ) -> EvalSummary:
-    """Plays the schedule (env -> task ids; this process plays `shares`, default all of it)
-    with unopened `pools`; process 0 writes the report of every process's episodes."""
+    """Plays the schedule (env -> task ids) with unopened `pools` and accounts for it; process 0
+    writes the report of every process's episodes."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     thresholds = {env: info.success_threshold for env, info in infos.items()}
@@ -78,11 +72,8 @@ def evaluate(
                        "task_ids": {env: list(map(int, ids)) for env, ids in schedule.items()}}
     if is_writer():
         (out_dir / SCHEDULE_NAME).write_text(json.dumps(schedule_record, indent=1))
-    records = run_sync(play_all(
-        policy, pools, infos, schedule if shares is None else shares, out_dir, group_size=group_size,
-        horizon=horizon, seed=seed, max_attempts=max_attempts, batch_episodes=batch_episodes,
-        progress=progress and is_writer(),
-    ))
+    records = play_schedule(policy, pools, infos, schedule, out_dir, group_size=group_size, horizon=horizon, seed=seed,
+                            max_attempts=max_attempts, batch_episodes=batch_episodes)
     summary = summarize(records, thresholds, group_size, schedule)
     if is_writer():
         write_report(summary, str(out_dir))
@@ -105,12 +96,15 @@ def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
 
 def run(config: ml_collections.ConfigDict) -> EvalSummary:
     out_dir = pathlib.Path(config.out_dir)
-    with job.open_job(config, out_dir) as run_job:
-        infos = run_job.infos
-        summary = evaluate(
-            run_job.policy, run_job.pools, infos, run_job.schedule, out_dir, group_size=config.group_size,
-            horizon=config.horizon, seed=config.seed, max_attempts=config.max_attempts,
-            batch_episodes=config.batch_episodes, shares=run_job.shares,
+    distributed.initialize_distributed()
+    check_run_spec(config, out_dir)
+    with setup.open_job(config) as job:
+        infos = job.infos
+        policy, _ = setup.make_policy(config, infos, out_dir)
+        summary = report(
+            policy, {env: job.pool(env) for env in infos}, infos, {env: task_ids(config, info) for env, info in infos.items()},
+            out_dir, group_size=config.group_size, horizon=config.horizon, seed=config.seed,
+            max_attempts=config.max_attempts, batch_episodes=config.batch_episodes,
         )
     if not is_writer():
         return summary

@@ -1,16 +1,18 @@
 """The parts every job (rl, sft, dpo, agentevol, eval, collect) is made of, built once here.
 
-`open_job` joins the processes, makes the workdir, the mesh, this process's servers and the
-task info; the functions below build the tokenizer and chat framing (a Hugging Face folder, or
-one trained on environment text), the policy (a Hugging Face folder, a checkpoint or a random
-small model) in its shardings, the rollout engines and the update config. A mode's file is then
-its loop.
+`open_job` joins the processes, makes the job's folder, the mesh, this process's servers of every
+environment (one for training, `envs` for eval and collect) and their task info; the functions
+below build the tokenizer and chat framing (a Hugging Face folder, or one trained on environment
+text), the model and its params (a Hugging Face folder, a checkpoint or a random small model) in
+their shardings, eval's policy (`make_policy`), the samplers and rollout engines. What episodes
+a job plays (oracle demonstrations, evaluations, task batches) is `job/play.py`; how the config
+reads is `job/settings.py`. A mode's file is then its loop.
 
 Multi-host (architecture rule 12): every process runs the same code. Each one owns a contiguous share
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
 samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its
-compute-dtype weights are copied there once per rollout by `sampler_params`); updates run on
+compute-dtype weights are copied there once per rollout by `local_policy`); updates run on
 the global mesh over global arrays built from every process's rows. Process 0 writes metrics,
 reports and shared files (`distributed.is_writer`); trajectories go to one file per process
 (`process_file`); orbax checkpoints from every process.
@@ -23,7 +25,7 @@ import dataclasses
 import functools
 import json
 import pathlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +41,13 @@ from agentgym_jax.models import decoder, fetch, hf_checkpoint, tuning
 from agentgym_jax.models.build_tokenizer import build_tokenizer
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, RopeConfig, load_config
-from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.job import settings
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
 from agentgym_jax.parallel.mesh import local_mesh, make_mesh
 from agentgym_jax.rollout.batch import TokenBatch, bucket
+from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
 from agentgym_jax.rollout.rl_batch import BatchFilter, training_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory
@@ -55,29 +58,41 @@ from agentgym_jax.sampling.sampler import Sampler, cast_floating
 class Job:
     """What `open_job` built: the same on every process except `urls` (this process's servers)."""
 
-    workdir: pathlib.Path
+    workdir: pathlib.Path  # `config.workdir`, or `config.out_dir` (eval, collect)
     mesh: jax.sharding.Mesh  # all devices of all processes: train state, updates
     sampler_mesh: jax.sharding.Mesh  # this process's devices: its sampler and episodes
-    urls: list[str]
-    info: TaskInfo | None  # None for a job without servers
+    env: ml_collections.ConfigDict  # `config.env`: how pools reach the servers
+    urls: dict[str, list[str]]  # environment -> this process's servers ({} for a job without servers)
+    infos: dict[str, TaskInfo]  # environment -> its task info, process 0's
+
+    @property
+    def info(self) -> TaskInfo:
+        """The task info of the job's one environment (training jobs have one)."""
+        if len(self.infos) != 1:
+            raise ValueError(f"the job has {len(self.infos)} environments ({', '.join(self.infos)}), not one")
+        return next(iter(self.infos.values()))
+
+    def pool(self, env: str | None = None) -> EnvPool:
+        """An (unopened) pool over this process's servers of `env` (None: the job's one environment)."""
+        return make_pool(self.env, self.urls[env or self.info.env])
 
 
 @contextlib.contextmanager
 def open_job(config: ml_collections.ConfigDict, *, servers: bool = True) -> Iterator[Job]:
-    """Joins the processes, makes `config.workdir`, starts or reaches this process's servers
-    (before JAX starts threads) and reads the task info (process 0's, so every process agrees
-    on the task ids even when its own servers fail)."""
+    """Joins the processes, makes the job's folder, starts or reaches this process's servers of
+    every environment (before JAX starts threads) and reads their task info (process 0's, so
+    every process agrees on the task ids even when its own servers fail)."""
     distributed.initialize_distributed()
-    workdir = pathlib.Path(config.workdir)
+    workdir = pathlib.Path(config.get("workdir") or config.out_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(environment_urls(config.env)) if servers else []
-        info = None
-        if servers:
-            body = fetch_task_info(config.env, urls).to_json() if distributed.is_writer() else None
-            info = select_tasks(TaskInfo.from_json(distributed.broadcast_object(body)), config.env.get("tasks", ""))
+        urls = stack.enter_context(environment_urls(config)) if servers else {}
+        infos = {}
+        for env, env_urls in urls.items():
+            body = fetch_task_info(config.env, env_urls).to_json() if distributed.is_writer() else None
+            infos[env] = select_tasks(TaskInfo.from_json(distributed.broadcast_object(body)), config.env.get("tasks", ""))
         mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-        yield Job(workdir, mesh, sampler_mesh(config), urls, info)
+        yield Job(workdir, mesh, sampler_mesh(config), config.env, urls, infos)
 
 
 def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
@@ -87,7 +102,7 @@ def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     return mesh if jax.process_count() == 1 else local_mesh(mesh)
 
 
-def sampler_params(config: ml_collections.ConfigDict, job: Job, params):
+def local_policy(config: ml_collections.ConfigDict, job: Job, params):
     """The policy weights this process's sampler reads, made once per rollout (every process
     calls it). One process: `params` as they are (the sampler makes its compute-dtype copy on
     the same mesh). Several: a compute-dtype copy without the value head, cast on the global
@@ -130,21 +145,54 @@ def write_model_config(workdir: pathlib.Path, model: ModelConfig) -> None:
         (workdir / "config.json").write_text(json.dumps(model.to_hf_dict(), indent=2))
 
 
+def env_names(config: ml_collections.ConfigDict) -> list[str]:
+    """The job's environments: `envs`, a comma list (eval, collect), or `env.name`."""
+    if "envs" not in config:
+        return [config.env.name]
+    names = [n.strip() for n in config.envs.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"envs must list distinct environment names, got {config.envs!r}")
+    return names
+
+
+def parse_urls(spec: str, envs: Sequence[str]) -> dict[str, list[str]]:
+    """`"maze=http://a,maze=http://b,room=http://c"` -> {env: [urls]} (bare URLs if one env)."""
+    out: dict[str, list[str]] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        env, sep, url = item.partition("=")
+        if not sep or "://" in env:
+            if len(envs) != 1:
+                raise ConfigError(f"env.urls: {item!r} needs a name, as in 'maze={item}' (envs: {list(envs)})")
+            env, url = envs[0], item
+        if env not in envs:
+            raise ConfigError(f"env.urls names {env!r}, which is not in envs {list(envs)}")
+        out.setdefault(env, []).append(url)
+    return out
+
+
 @contextlib.contextmanager
-def environment_urls(env: ml_collections.ConfigDict) -> Iterator[list[str]]:
-    """This process's servers: its share of `env.urls` (process k of n takes every n-th URL
-    from the k-th), or `env.num_servers` local servers of its own for the job's duration
-    (requiring `env.auth_token` when it is set, like servers started elsewhere with it)."""
-    if env.urls:
-        urls = [u.strip() for u in env.urls.split(",") if u.strip()]
-        n = jax.process_count()
-        if len(urls) < n:
-            raise ConfigError(f"env.urls lists {len(urls)} servers for {n} processes; give each process at least one")
-        yield urls[jax.process_index() :: n]
-        return
-    with contextlib.ExitStack() as stack:  # one group per server: a group holds each env once
-        groups = [stack.enter_context(LocalServers([env.name], auth_token=env.auth_token)) for _ in range(env.num_servers)]
-        yield [group.servers[0].url for group in groups]
+def environment_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, list[str]]]:
+    """Environment -> this process's servers: its share of the environment's `env.urls` (process
+    k of n takes every n-th URL from the k-th), or `env.num_servers` local servers of its own for
+    the job's duration (requiring `env.auth_token` when it is set, like servers started elsewhere
+    with it)."""
+    envs = env_names(config)
+    given, n = parse_urls(config.env.urls, envs), jax.process_count()
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for env in envs:
+            if given.get(env):
+                if len(given[env]) < n:
+                    raise ConfigError(f"env.urls lists {len(given[env])} {env} servers for {n} processes; "
+                                      "give each process at least one")
+                urls[env] = given[env][jax.process_index() :: n]
+            else:  # one group per server: a group holds each env once
+                groups = [stack.enter_context(LocalServers([env], auth_token=config.env.auth_token))
+                          for _ in range(config.env.num_servers)]
+                urls[env] = [group.servers[0].url for group in groups]
+        yield urls
 
 
 def make_pool(env: ml_collections.ConfigDict, urls: Sequence[str]) -> EnvPool:
@@ -220,6 +268,17 @@ def tokenizer_and_framing(
     return ChatFraming(load_tokenizer(path))
 
 
+def tokenizer_and_model(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, corpus: Sequence[str] | None
+) -> tuple[ChatFraming, ModelConfig]:
+    """The job's chat framing (`tokenizer_and_framing`) and the model it trains (`model_config`),
+    whose `config.json` goes to `workdir` beside the checkpoints."""
+    framing = tokenizer_and_framing(config, workdir, corpus)
+    model = model_config(config, len(framing.tokenizer))
+    write_model_config(workdir, model)
+    return framing, model
+
+
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     """The Hugging Face folder's config, or the model `config.model` describes: its shape, and the
     vocabulary, tied head, RoPE base and context length where it names them (a `configs/models.py`
@@ -252,6 +311,15 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     )
 
 
+def check_token_ids(trajectories: Iterable[Trajectory], vocab_size: int) -> None:
+    """Refuses token ids outside the model's vocabulary (files from another tokenizer): their
+    embedding lookup is NaN, and attention spreads it to the whole batch."""
+    top = max((max(t.token_ids, default=0) for t in trajectories), default=0)
+    if top >= vocab_size:
+        raise ConfigError(f"a trajectory holds token id {top} >= the model's vocab_size {vocab_size}: "
+                          "trajectory files must come from the configured tokenizer")
+
+
 def pretrained_params(hf_dir: str, model: ModelConfig, dtype: jnp.dtype, mesh: jax.sharding.Mesh):
     """A Hugging Face folder's weights, read straight into their shardings over `mesh`."""
     shapes = hf_checkpoint.param_shapes(model, dtype)
@@ -270,31 +338,10 @@ def initial_params(config: ml_collections.ConfigDict, model: ModelConfig, mesh: 
     return partition.sharded_init(init, rng, mesh)
 
 
-def tuning_of(config: ml_collections.ConfigDict) -> tuning.Tuning:
-    """What trains (`config.model.lora_rank`, `lora_alpha`, `lora_targets`, `trainable_layers`)."""
-    m = config.model
-    targets = m.get("lora_targets", "q,k,v,o,gate,up,down")
-    try:
-        return tuning.Tuning(
-            lora_rank=m.get("lora_rank", 0), lora_alpha=m.get("lora_alpha", 16.0),
-            lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if isinstance(targets, str) else tuple(targets),
-            trainable_layers=m.get("trainable_layers", 0),
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.model: {e}") from e
-
-
-def require_untuned(config: ml_collections.ConfigDict) -> None:
-    """A one-line error for the modes that train every parameter (agentevol, dpo)."""
-    if not tuning_of(config).full:
-        raise ConfigError(f"mode={config.mode} trains every parameter: model.lora_rank and model.trainable_layers "
-                          "must be 0 (they are supported by mode=rl and mode=sft)")
-
-
 def split_params(config: ml_collections.ConfigDict, params, mesh: jax.sharding.Mesh, rng: jax.Array):
     """(trainable, frozen) of a policy's `params` as `config.model` tunes it (`models/tuning.py`),
     placed over `mesh`; the frozen part in the compute dtype. Untuned: (params, {})."""
-    spec = tuning_of(config)
+    spec = settings.tuning(config)
     if spec.full:
         return params, {}
     split = functools.partial(tuning.split, tuning=spec, frozen_dtype=jnp.dtype(config.model.compute_dtype))
@@ -311,7 +358,7 @@ def policy_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, pa
     per rollout), placed over `mesh` like any policy. Untuned: `params` as they are."""
     if not frozen:
         return params
-    merged = _merge(tuning_of(config).lora_scale, config.model.compute_dtype)(params, frozen)
+    merged = _merge(settings.tuning(config).lora_scale, config.model.compute_dtype)(params, frozen)
     return jax.device_put(merged, partition.param_shardings(merged, mesh))
 
 
@@ -348,52 +395,61 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
     return jax.tree.map(distributed.rows_from_host, params, shardings)
 
 
-def rollout_config(
-    config: ml_collections.ConfigDict, temperature: float | None = None, group_size: int | None = None
-) -> RolloutConfig:
-    r = config.rollout
-    return RolloutConfig(
-        group_size=r.group_size if group_size is None else group_size,
-        max_tokens_per_turn=r.max_tokens_per_turn,
-        max_response_length=r.max_response_length,
-        invalid_action_limit=r.invalid_action_limit or None,
-        temperature=r.temperature if temperature is None else temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
-        num_slots=r.num_slots,
-        decode_chunk=r.decode_chunk,
-    )
+def make_policy(
+    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], workdir: pathlib.Path
+) -> tuple[Policy, ChatFraming]:
+    """`config.policy` (eval, collect): "oracle", "checkpoint:<job folder>" (its latest orbax
+    checkpoint, or `checkpoint_step`; its `config.json` and `tokenizer/`), "hf:<folder>",
+    "hf:<org>/<name>" (the Hugging Face cache) or "pretrained:<name>"; and the chat framing its
+    trajectories are tokenized with. A model runs on this process's devices (`sampler_mesh`);
+    the oracle's tokenizer is built from the environments' instructions in `workdir`."""
+    kind, _, where = config.policy.partition(":")
+    if kind == "oracle" and not where:
+        corpus = [info.instruction for info in infos.values()]
+        framing = tokenizer_and_framing(config, workdir, corpus)
+        return OraclePolicy(framing, config.rollout.action_format), framing
+    if kind not in ("checkpoint", "hf", "pretrained") or not where:
+        raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>', 'hf:<dir>', 'hf:<org>/<name>' (the Hugging "
+                          f"Face cache) or 'pretrained:<name>', got {config.policy!r}")
+    folder = pathlib.Path(where)
+    if kind == "pretrained" or (kind == "hf" and not folder.exists()):
+        try:
+            folder, kind = pathlib.Path(fetch.resolve(config.policy)), "hf"
+        except fetch.FetchError as e:
+            raise ConfigError(f"policy {config.policy!r}: {e}") from e
+    if not (folder / "config.json").exists():
+        raise ConfigError(f"policy {config.policy!r}: no config.json in {folder}")
+    config = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy
+    if kind == "hf":
+        config.model.hf_dir = str(folder)
+    framing = tokenizer_and_framing(config, folder, None)  # tokenizer.dir, the HF folder's, <workdir>/tokenizer
+    model = load_config(folder)
+    mesh = sampler_mesh(config)
+    if kind == "hf":
+        params = initial_params(config, model, mesh, jax.random.key(0), value_head=False)
+    else:
+        dtype = jnp.dtype(config.model.param_dtype)
+        params = checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
+    rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
+    sampler = make_sampler(config, model, framing, rollout)
+    return ModelPolicy(sampler, framing, params, rollout), framing
 
 
 def make_engine(
-    config: ml_collections.ConfigDict,
-    model: ModelConfig,
-    framing: ChatFraming,
-    urls: Sequence[str],
-    info: TaskInfo,
-    rollout: RolloutConfig,
+    config: ml_collections.ConfigDict, job: Job, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig
 ) -> RolloutEngine:
-    """A rollout engine with its own sampler and pool (one per sampling setting)."""
-    return RolloutEngine(make_sampler(config, model, framing, rollout), framing, make_pool(config.env, urls), info, rollout)
-
-
-def attention_kernels(config: ml_collections.ConfigDict) -> AttentionKernels:
-    """`config.model.attention_kernel` (training rows) and `decode_kernel` resolved for this backend."""
-    try:
-        return AttentionKernels.for_backend(config.model.attention_kernel, config.model.decode_kernel)
-    except ValueError as e:
-        raise ConfigError(f"config.model: {e}") from e
+    """A rollout engine on the job's environment with its own sampler and pool (one per sampling setting)."""
+    return RolloutEngine(make_sampler(config, model, framing, rollout), framing, job.pool(), job.info, rollout)
 
 
 def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing: ChatFraming, rollout: RolloutConfig) -> Sampler:
     """A sampler sharded over this process's `sampler_mesh` (episodes over ("data", "fsdp"),
     key/value heads over "tensor"), its weights (copied once per rollout) and KV cache in the
-    compute dtype. Give it params on that mesh (`sampler_params`)."""
+    compute dtype. Give it params on that mesh (`local_policy`)."""
     sampling = rollout.sampling_config(framing)
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
-        dtype=config.model.compute_dtype, kernels=attention_kernels(config),
+        dtype=config.model.compute_dtype, kernels=settings.attention_kernels(config),
     )
 
 

@@ -1,11 +1,13 @@
 """Trains a small byte-level BPE tokenizer on environment text and writes a Hugging Face folder.
 
     python -m agentgym_jax.models.build_tokenizer --out=/tmp/tok [--vocab_size=1024]
-        [--template=chatml|llama3] [--text_file=transcripts.txt ...] [--no_env_instructions]
+        [--template=chatml|llama3] [--text_file=transcripts.txt ...] [--env_url=http://127.0.0.1:8000 ...]
 
 The CPU quickstart trains its tiny model with this tokenizer: a vocabulary of ~1k tokens learned
 from the action grammar, the environments' instructions and (when given) oracle transcripts keeps
-the embedding table small. The folder (`tokenizer.json`, `tokenizer_config.json` with the chat
+the embedding table small. A job passes its environment's instruction and oracle transcripts
+itself (`job/setup.py`); the command line reads instructions from running servers (`--env_url`,
+their `GET /tasks`), since the library never imports a server (architecture rule on servers). The folder (`tokenizer.json`, `tokenizer_config.json` with the chat
 template, `special_tokens_map.json`) loads with `AutoTokenizer.from_pretrained`. The same texts
 give the same files byte for byte.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import pathlib
+import urllib.request
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -209,20 +211,16 @@ ACTION_GRAMMAR: tuple[str, ...] = (
 )
 
 
-def environment_instructions() -> list[str]:
-    """The instruction text of every registered environment whose module imports here.
-
-    Imported lazily: the tokenizer script is a tool, not the trainer, and environment engines
-    (minigrid, textcraft) are optional extras; a missing one is logged and skipped.
-    """
-    from environments.registry import ENVIRONMENTS, get_environment
-
+def server_instructions(urls: Sequence[str], timeout_s: float = 30.0) -> list[str]:
+    """The instruction text of the environment behind each server URL (`GET /tasks`, the protocol's
+    task info), read over HTTP like any client."""
     texts = []
-    for name in sorted(ENVIRONMENTS):
+    for url in urls:
         try:
-            texts.append(get_environment(name).instruction)
-        except ImportError as e:
-            logging.warning("build_tokenizer: skipping %s instructions (%s)", name, e)
+            with urllib.request.urlopen(url.rstrip("/") + "/tasks", timeout=timeout_s) as answer:
+                texts.append(str(json.load(answer)["instruction"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"build_tokenizer: no task info from {url}/tasks ({e})") from e
     return texts
 
 
@@ -308,10 +306,10 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--template", default="chatml", choices=sorted(TEMPLATES))
     parser.add_argument("--text_file", action="append", default=[], help="extra training text (repeatable)")
-    parser.add_argument("--no_env_instructions", action="store_true", help="skip the environments' instructions")
+    parser.add_argument("--env_url", action="append", default=[], help="a running environment server whose "
+                        "instruction to train on (repeatable)")
     args = parser.parse_args(argv)
-    texts = [] if args.no_env_instructions else environment_instructions()
-    texts += _read_text_files(args.text_file)
+    texts = server_instructions(args.env_url) + _read_text_files(args.text_file)
     out = build_tokenizer(args.out, texts, args.vocab_size, args.template)
     print(f"wrote {args.template} tokenizer (vocab {args.vocab_size}) to {out}")
     return out

@@ -23,6 +23,7 @@ reaches turn t across the environment's reply. See docs/algorithms.md for the fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -54,6 +55,7 @@ def grpo(
     count as members. `num_groups` bounds the number of distinct ids (a static size for the
     segment ops); it defaults to the batch size, always enough.
     """
+    check_hparams(lambda v: v > 0, "> 0", epsilon=epsilon)
     centered, group_size, index, num_groups = _group_centered(
         scores, loss_mask, group_ids, num_groups
     )
@@ -125,6 +127,7 @@ def reinforce_plus_plus(
     """
     check_same_shape(token_rewards=token_rewards, loss_mask=loss_mask)
     check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma)
+    check_hparams(lambda v: v > 0, "> 0", epsilon=epsilon)
     [gammas] = _discount_factors(loss_mask, discount, gamma=gamma)
 
     def step(running_return, inputs):  # [batch]
@@ -160,6 +163,7 @@ def gae(
     """
     check_same_shape(token_rewards=token_rewards, values=values, loss_mask=loss_mask)
     check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma, lam=lam)
+    check_hparams(lambda v: v > 0, "> 0", epsilon=epsilon)
     gammas, lams = _discount_factors(loss_mask, discount, gamma=gamma, lam=lam)
 
     def step(carry, inputs):  # carry: value and advantage of the next policy token, [batch] each
@@ -177,13 +181,43 @@ def gae(
     return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
-    "grpo": grpo,
-    "dr_grpo": functools.partial(grpo, scale_by_std=False),
-    "rloo": rloo,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "gae": gae,
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what the trainer must know of it.
+
+    `fn` takes its array inputs by name (any of `token_rewards`, `loss_mask`, `values`,
+    `group_ids`, `scores`, positional) and then its keyword hyper-parameters, and returns
+    `(advantages, returns)`, both `[batch, seq]`.
+    """
+
+    fn: Callable[..., tuple[jax.Array, jax.Array]]
+    hparams: tuple[str, ...] = ()  # keyword hyper-parameters a config may set (`config.algo.<name>`)
+    needs_critic: bool = False  # reads `values`: a value model (a head or a separate critic) trains beside the policy
+    needs_groups: bool = False  # its baseline is the task's group: a group needs >= 2 trained members
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The batch fields `fn` reads, in its order."""
+        params = inspect.signature(self.fn).parameters.values()
+        return tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+# The estimators a config names (`algo.advantage`). A new one is a function (in its own file) and
+# one entry here; its hyper-parameters are config keys `algo.<name>` (docs/algorithms.md).
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo, hparams=("epsilon",), needs_groups=True),
+    "dr_grpo": Estimator(functools.partial(grpo, scale_by_std=False), hparams=("epsilon",), needs_groups=True),
+    "rloo": Estimator(rloo, needs_groups=True),
+    "reinforce_plus_plus": Estimator(reinforce_plus_plus, hparams=("gamma", "discount", "epsilon")),
+    "gae": Estimator(gae, hparams=("gamma", "lam", "discount", "whiten", "epsilon"), needs_critic=True),
 }
+
+
+def get_estimator(name: str) -> Estimator:
+    """`ADVANTAGE_ESTIMATORS[name]`, or a `ValueError` naming the valid ones."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown estimator {name!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
 
 
 def compute_advantages(
@@ -196,40 +230,20 @@ def compute_advantages(
     scores: jax.Array | None = None,  # [batch]; default: sequence_scores(token_rewards, loss_mask)
     **hparams,
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs `ADVANTAGE_ESTIMATORS[estimator]` on the batch fields it needs, with its `hparams`.
+    """Runs the estimator named `estimator` on the batch fields it needs, with its `hparams`.
 
     Raises `ValueError` for an unknown estimator, a missing input (GAE without values, GRPO without
-    group ids) or a hyper-parameter the estimator does not take.
+    group ids) or a hyper-parameter the estimator does not declare.
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        valid = ", ".join(ADVANTAGE_ESTIMATORS)
-        raise ValueError(f"unknown estimator {estimator!r}; valid: {valid}")
-    fn = ADVANTAGE_ESTIMATORS[estimator]
+    spec = get_estimator(estimator)
     if scores is None:
         scores = sequence_scores(token_rewards, loss_mask)
-    available = dict(
-        token_rewards=token_rewards,
-        loss_mask=loss_mask,
-        values=values,
-        group_ids=group_ids,
-        scores=scores,
-    )
-    params = inspect.signature(fn).parameters.values()
-    inputs = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    valid_hparams = estimator_hparams(estimator)
-    if unknown := sorted(set(hparams) - valid_hparams):
-        raise ValueError(f"{estimator} takes no {unknown}; valid: {sorted(valid_hparams)}")
-    if missing := [name for name in inputs if available[name] is None]:
+    available = dict(token_rewards=token_rewards, loss_mask=loss_mask, values=values, group_ids=group_ids, scores=scores)
+    if unknown := sorted(set(hparams) - set(spec.hparams)):
+        raise ValueError(f"{estimator} takes no {unknown}; valid: {sorted(spec.hparams)}")
+    if missing := [field for field in spec.inputs if available[field] is None]:
         raise ValueError(f"{estimator} needs {', '.join(missing)}")
-    return fn(*(available[name] for name in inputs), **hparams)
-
-
-def estimator_hparams(estimator: str) -> set[str]:
-    """The hyper-parameter names `compute_advantages(estimator, ...)` accepts."""
-    fn = ADVANTAGE_ESTIMATORS[estimator]
-    params = inspect.signature(fn).parameters.values()
-    names = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    return names - set(getattr(fn, "keywords", {}))  # minus those fixed by a functools.partial
+    return spec.fn(*(available[field] for field in spec.inputs), **hparams)
 
 
 def _group_centered(

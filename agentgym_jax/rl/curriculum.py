@@ -6,7 +6,7 @@ graded at most `max_grades[k]`; a stage lasts `steps_per_stage` steps and the la
 forever. Sparse rewards give GRPO a signal only where some samples of a task succeed, so early
 stages keep to the tasks the warm-started policy can already finish. Like the horizon schedule
 (`rl/horizon.py`) it is a pure function of the step, so a resumed run draws the tasks the
-uninterrupted run drew. It is independent of the horizon schedule: `horizon.schedule=fixed`
+uninterrupted run drew. It is independent of the horizon schedule: `horizon_schedule.kind=fixed`
 leaves it as it is.
 """
 
@@ -16,7 +16,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentgym_jax.config import ConfigError
 from agentgym_jax.rl.horizon import stage_of
 
 
@@ -51,22 +50,13 @@ class Curriculum:
         """Refuses, before any work, a key the environment does not grade by or a stage with no task."""
         for k in range(len(self.max_grades)):
             if not self.pool(train_ids, metadata, k * self.steps_per_stage):
-                raise ConfigError(f"curriculum stage {k} (grade <= {self.max_grades[k]}) admits no training task")
+                raise ValueError(f"curriculum stage {k} (grade <= {self.max_grades[k]}) admits no training task")
 
 
 def grades(metadata: Mapping[str, Any], key: str) -> Sequence[float]:
     if key not in metadata:
         graded = [k for k, v in metadata.items() if isinstance(v, (list, tuple))]
-        raise ConfigError(f"curriculum.key={key!r}: the environment's task metadata has no such list; "
-                          f"it has: {', '.join(graded) or 'none'}")
+        raise ValueError(f"curriculum.key={key!r}: the environment's task metadata has no such list; "
+                         f"it has: {', '.join(graded) or 'none'}")
     return metadata[key]
 
-
-def from_config(config: Mapping[str, Any]) -> Curriculum:
-    """From `config.curriculum` (`key`, `max_grades`, `steps_per_stage`)."""
-    params = dict(config.items())
-    params["max_grades"] = tuple(params.get("max_grades") or ())
-    try:
-        return Curriculum(**params)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e

@@ -14,12 +14,8 @@ the value a checkpoint written after n updates restores). Stage k covers steps
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-from agentgym_jax.config import ConfigError
+from collections.abc import Sequence
 
 
 def stage_of(step: int, steps_per_stage: int, num_stages: int) -> int:
@@ -32,68 +28,49 @@ def stage_of(step: int, steps_per_stage: int, num_stages: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HorizonSchedule:
-    """Turns allowed per stage; a new stage every `steps_per_stage` training steps."""
+    """The horizon (turns allowed) of each stage; a new stage every `steps_per_stage` training steps."""
 
-    rounds: tuple[int, ...]
+    horizons: tuple[int, ...]
     steps_per_stage: int
 
     def __post_init__(self):
-        if not self.rounds or any(not isinstance(r, int) or r < 1 for r in self.rounds):
-            raise ValueError(f"rounds must be positive integers, got {self.rounds!r}")
+        if not self.horizons or any(not isinstance(h, int) or h < 1 for h in self.horizons):
+            raise ValueError(f"horizons must be positive integers, got {self.horizons!r}")
         if not isinstance(self.steps_per_stage, int) or self.steps_per_stage < 1:
             raise ValueError(
                 f"steps_per_stage must be a positive integer, got {self.steps_per_stage!r}"
             )
 
     def stage(self, step: int) -> int:
-        """Index into `rounds` for training step `step` (>= 0)."""
-        return stage_of(step, self.steps_per_stage, len(self.rounds))
+        """Index into `horizons` for training step `step` (>= 0)."""
+        return stage_of(step, self.steps_per_stage, len(self.horizons))
 
     def horizon(self, step: int) -> int:
         """Maximum number of turns per episode at training step `step` (>= 0)."""
-        return self.rounds[self.stage(step)]
+        return self.horizons[self.stage(step)]
 
 
-def fixed(rounds: int | Sequence[int], steps_per_stage: int | None = None) -> HorizonSchedule:
-    """The same horizon at every step: `rounds`, or the last of a stepwise schedule's `rounds`.
+def fixed(horizons: int | Sequence[int], steps_per_stage: int | None = None) -> HorizonSchedule:
+    """The same horizon at every step: `horizons`, or the last of a stepwise schedule's `horizons`.
 
-    So `--config.horizon.schedule=fixed` on a stepwise config trains at its final horizon
+    So `--config.horizon_schedule.kind=fixed` on a stepwise config trains at its final horizon
     throughout, ScalingInter-RL's baseline, with nothing else changed (`steps_per_stage` is
     accepted for the same reason; one stage has no length).
     """
     del steps_per_stage
-    if isinstance(rounds, (list, tuple)):
-        rounds = tuple(rounds)
-        if not rounds:
-            raise ValueError("rounds must be positive integers, got ()")
-        rounds = rounds[-1]
-    return HorizonSchedule(rounds=(rounds,), steps_per_stage=1)
+    if isinstance(horizons, (list, tuple)):
+        horizons = tuple(horizons)
+        if not horizons:
+            raise ValueError("horizons must be positive integers, got ()")
+        horizons = horizons[-1]
+    return HorizonSchedule(horizons=(horizons,), steps_per_stage=1)
 
 
-def stepwise(rounds: Sequence[int] = (10, 20, 30), steps_per_stage: int = 100) -> HorizonSchedule:
-    """ScalingInter-RL: `rounds[k]` turns in stage k; a stage lasts `steps_per_stage` steps."""
-    return HorizonSchedule(rounds=tuple(rounds), steps_per_stage=steps_per_stage)
+def stepwise(horizons: Sequence[int] = (10, 20, 30), steps_per_stage: int = 100) -> HorizonSchedule:
+    """ScalingInter-RL: `horizons[k]` turns in stage k; a stage lasts `steps_per_stage` steps."""
+    return HorizonSchedule(horizons=tuple(horizons), steps_per_stage=steps_per_stage)
 
 
+# kind -> builder; `train/settings.py` reads `config.horizon_schedule` into one of these.
 HORIZON_SCHEDULES = {"fixed": fixed, "stepwise": stepwise}
 
-
-def from_config(config: Mapping[str, Any]) -> HorizonSchedule:
-    """A schedule from a dict or ConfigDict: `{"schedule": "fixed", "rounds": 10}` or
-    `{"schedule": "stepwise", "rounds": [10, 20, 30], "steps_per_stage": 100}`.
-    """
-    params = dict(config.items())
-    name = params.pop("schedule", None)
-    if name not in HORIZON_SCHEDULES:
-        valid = ", ".join(HORIZON_SCHEDULES)
-        raise ConfigError(f"unknown horizon schedule {name!r}; valid: {valid}")
-    builder = HORIZON_SCHEDULES[name]
-    valid = inspect.signature(builder).parameters
-    if unknown := sorted(set(params) - set(valid)):
-        raise ConfigError(f"horizon schedule {name!r} takes no {unknown}; valid: {sorted(valid)}")
-    if "rounds" not in params:
-        raise ConfigError(f"horizon schedule {name!r} needs 'rounds'")
-    try:
-        return builder(**params)
-    except ValueError as e:
-        raise ConfigError(f"horizon: {e}") from e

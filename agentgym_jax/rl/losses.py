@@ -9,6 +9,10 @@ The KL-to-reference loss term lives in `kl.py` (`kl_loss`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -76,6 +80,27 @@ def ppo_policy_loss(
         "approx_kl": masked_mean(kl_divergence(old_logprobs, logprobs, loss_mask, "k3"), loss_mask),
     }
     return aggregate_loss(loss, loss_mask, agg_mode, norm_length), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """A policy-gradient surrogate and its hyper-parameters.
+
+    `fn(logprobs, old_logprobs, advantages, loss_mask, *, agg_mode, norm_length, token_weights,
+    **hparams) -> (loss, metrics)`, every array `[batch, seq]` (see `ppo_policy_loss`).
+    """
+
+    fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    hparams: tuple[str, ...] = ()  # keyword hyper-parameters a config may set (`config.algo.<name>`)
+
+
+_PPO_CLIP = ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+# The surrogates a config names (`algo.policy_loss`). A new one is a function (in its own file) and
+# one entry here; its hyper-parameters are config keys `algo.<name>`.
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss(ppo_policy_loss, hparams=_PPO_CLIP),  # a ratio per token (PPO, DAPO)
+    "gspo": PolicyLoss(functools.partial(ppo_policy_loss, ratio_level="sequence"), hparams=_PPO_CLIP),  # per row
+}
 
 
 def value_loss(

@@ -32,7 +32,7 @@ from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.progress import Progress
-from agentgym_jax.rollout.demonstrations import ACTION_ONLY, play_demonstrations
+from agentgym_jax.rollout.demonstrations import ACTION_ONLY, demonstration_trajectory, play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
 from agentgym_jax.sampling.sampler import Sampler
@@ -59,9 +59,8 @@ class OraclePolicy:
 
     async def play(self, pool, info, task_ids, horizon, rng, on_progress=None):
         del rng, on_progress  # the oracle is deterministic, and fast
-        return await play_demonstrations(
-            pool, self.framing, info, task_ids, horizon=horizon, action_format=self.action_format
-        )
+        episodes = await play_oracle_episodes(pool, task_ids, horizon=horizon, action_format=self.action_format)
+        return [demonstration_trajectory(self.framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
 
 
 @dataclasses.dataclass
@@ -115,9 +114,11 @@ async def collect(
     batch_episodes: int = 64,
     max_attempts: int = 1,
     progress: bool = True,
+    desc: str | None = None,
 ) -> list[Trajectory]:
     """Plays every (task, sample) of `info.env` without a record in `path`; returns the env's
-    records (earlier and new, every attempt). `pool` must be open."""
+    records (earlier and new, every attempt). `pool` must be open. `progress` shows the
+    episodes' count as `desc` (None: the environment's name)."""
     if group_size < 1 or batch_episodes < 1 or max_attempts < 1 or horizon < 1:
         raise ValueError(
             f"group_size ({group_size}), batch_episodes ({batch_episodes}), "
@@ -133,7 +134,7 @@ async def collect(
         for t in done.values()
         if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts
     ]
-    bar = Progress(info.env, len(todo), "episode", enabled=progress)
+    bar = Progress(desc or info.env, len(todo), "episode", enabled=progress)
     while todo:
         batch, todo = todo[:batch_episodes], todo[batch_episodes:]
         task, sample, attempt = batch[0]

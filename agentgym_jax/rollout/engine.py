@@ -143,7 +143,7 @@ class RolloutStats:
 
 
 @dataclasses.dataclass
-class _Episode:
+class _LiveEpisode:
     slot: int  # the pool slot, also its row in its wave (the sampler row of the turn-batched engine)
     task_id: int
     group_id: int
@@ -264,7 +264,7 @@ class RolloutEngine:
         wave = await self.pool.session_capacity()
         samples = [(i, int(task), j) for i, task in enumerate(task_ids) for j in range(n)]
         episodes = [
-            _Episode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j)
+            _LiveEpisode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j)
             for k, (i, task, j) in enumerate(samples)
         ]
         if on_progress is not None:
@@ -279,7 +279,7 @@ class RolloutEngine:
         self.last_stats = rollout.stats()
         return [self._trajectory(ep, policy_version) for ep in episodes]
 
-    def forced_lengths(self, episodes: Sequence[_Episode]) -> list[int] | None:
+    def forced_lengths(self, episodes: Sequence[_LiveEpisode]) -> list[int] | None:
         """Each episode's forced length of its next turn (0: free), or None without `turn_lengths`."""
         if self.turn_lengths is None:
             return None
@@ -304,7 +304,7 @@ class RolloutEngine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _trajectory(self, ep: _Episode, policy_version: int) -> Trajectory:
+    def _trajectory(self, ep: _LiveEpisode, policy_version: int) -> Trajectory:
         fields = dict(
             invalid_actions=ep.invalid_actions,
             sample_idx=ep.sample_idx,
@@ -330,7 +330,7 @@ class _Rollout:
         self.params = params
         self.rng = rng
         self.horizon = horizon
-        self.episodes: list[_Episode] = []
+        self.episodes: list[_LiveEpisode] = []
         self.state: SamplerState | None = None
         self.ready: set[int] = set()  # rows whose next turn can be sampled
         self.in_flight = 0  # environment steps outstanding
@@ -353,7 +353,7 @@ class _Rollout:
             cache_slots=self.cache_slots,
         )
 
-    async def play(self, episodes: list[_Episode]) -> None:
+    async def play(self, episodes: list[_LiveEpisode]) -> None:
         self.episodes, self.state = episodes, None  # a wave: the run's next episodes, rows from 0
         try:
             await self._reset_and_prefill()
@@ -393,7 +393,7 @@ class _Rollout:
         prompts = [ep.transcript.token_ids if ep.transcript else pad for ep in self.episodes]
         self.state = await self._in_sampler(lambda: self.sampler.prefill(self.params, prompts), sorted(self.ready))
 
-    async def _timed(self, ep: _Episode, request) -> SlotResult:
+    async def _timed(self, ep: _LiveEpisode, request) -> SlotResult:
         start = time.monotonic()
         try:
             return await request
@@ -449,7 +449,7 @@ class _Rollout:
             # Unfiltered log-probs at the sampling temperature: the policy the trainer recomputes.
             self._end_turn(self.episodes[row], turn.tokens[row, :count], turn.raw_logprobs[row, :count], turn.stop[row])
 
-    def _end_turn(self, ep: _Episode, ids: np.ndarray, logprobs: np.ndarray, stop: int) -> None:
+    def _end_turn(self, ep: _LiveEpisode, ids: np.ndarray, logprobs: np.ndarray, stop: int) -> None:
         """Records a sampled turn and sends it as the action (or ends the episode on a budget)."""
         if len(ids) == 0:  # no room left in the cache: the pending observation is not kept
             ep.status = EpisodeStatus.TOKEN_BUDGET
@@ -471,7 +471,7 @@ class _Rollout:
         self.steps.add(task)
         task.add_done_callback(self.steps.discard)
 
-    def _turn_limit(self, ep: _Episode) -> int:
+    def _turn_limit(self, ep: _LiveEpisode) -> int:
         """This turn's token limit: the per-turn limit, or what is left of the episode's budget."""
         budget = self.config.max_response_length - ep.transcript.response_len - len(ep.pending)
         return min(self.config.max_tokens_per_turn, budget)
@@ -493,7 +493,7 @@ class _Rollout:
         self.state = state
         return overflow, turn
 
-    async def _step(self, ep: _Episode, action: str) -> None:
+    async def _step(self, ep: _LiveEpisode, action: str) -> None:
         """Sends one action; ends the episode or queues its observation ids for the next turn."""
         try:
             result = await self._timed(ep, self.engine.pool.step(ep.slot, action))
@@ -504,7 +504,7 @@ class _Rollout:
             self.in_flight -= 1
             self.arrived.set()
 
-    def _after_step(self, ep: _Episode, result: SlotResult) -> None:
+    def _after_step(self, ep: _LiveEpisode, result: SlotResult) -> None:
         ep.turn_rewards.append(result.reward)
         invalid = bool(result.info.get("invalid_action"))
         ep.invalid_actions += invalid
@@ -525,7 +525,7 @@ class _Rollout:
                 self.ready.add(ep.slot)
 
 
-def _prompt(ep: _Episode) -> tuple[int, ...]:
+def _prompt(ep: _LiveEpisode) -> tuple[int, ...]:
     return tuple(ep.transcript.token_ids[: ep.transcript.prompt_len])
 
 
@@ -541,7 +541,7 @@ class _SlotRollout(_Rollout):
     of a batch, and rows waiting on their environment or left empty cost no decode steps.
     """
 
-    async def play(self, episodes: list[_Episode]) -> None:
+    async def play(self, episodes: list[_LiveEpisode]) -> None:
         self.episodes = episodes
         try:
             await self._reset_all()
@@ -554,7 +554,7 @@ class _SlotRollout(_Rollout):
             batch = self.state.live.shape[0]
             self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
             self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
-            self.holder: list[_Episode | None] = [None] * batch
+            self.holder: list[_LiveEpisode | None] = [None] * batch
             # prompt -> its next-token logits (host), kept while an episode with it waits for a row
             self.prompt_logits: dict[tuple[int, ...], np.ndarray] = {}
             self.prompts_waiting = collections.Counter(_prompt(ep) for ep in waiting)
@@ -596,7 +596,7 @@ class _SlotRollout(_Rollout):
                     f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
                 )
 
-    def _admit(self, admitted: list[_Episode]) -> None:
+    def _admit(self, admitted: list[_LiveEpisode]) -> None:
         """(worker thread) Puts the admitted episodes' prompts into their rows. Each distinct
         prompt is prefilled once, in the row of its first episode, unless a row held by an earlier
         episode starts with it (its group's); the others copy the prompt's slots from that row
@@ -629,7 +629,7 @@ class _SlotRollout(_Rollout):
             if not self.prompts_waiting[_prompt(ep)]:
                 self.prompt_logits.pop(_prompt(ep), None)
 
-    def _fill(self, admitted: list[_Episode], arrived: list[_Episode]) -> None:
+    def _fill(self, admitted: list[_LiveEpisode], arrived: list[_LiveEpisode]) -> None:
         """(worker thread) Puts the admitted episodes' prompts into their rows (`_admit`), appends
         the arrived observations, and starts all their turns."""
         if admitted:

@@ -29,25 +29,18 @@ import contextlib
 import json
 import pathlib
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import jax
 import ml_collections
-import optax
 from absl import logging
-from jax.sharding import Mesh
 
 from agentgym_jax.envs.protocol import TaskInfo
-from agentgym_jax.job import setup
+from agentgym_jax.job import play, setup
+from agentgym_jax.job import settings as job_settings
 from agentgym_jax.parallel.distributed import is_writer, process_share
-from agentgym_jax.rollout.demonstrations import demonstration_trajectory
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
-from agentgym_jax.train.jobs import (
-    episode_texts, evaluate, optim_config, play_oracle, task_batch, update_config,
-)
-from agentgym_jax.train.sft import sft_train
-from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import StepFns, UpdateConfig, make_step_fns, train_state_shardings
+from agentgym_jax.train import settings
+from agentgym_jax.train.sft import BehaviourCloning
 
 
 def keep_successes(trajectories: Iterable[Trajectory]) -> list[Trajectory]:
@@ -73,42 +66,36 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
     if evol.iterations < 0 or evol.group_size < 1 or evol.epochs < 0:
         raise ValueError(f"agentevol.iterations ({evol.iterations}) and epochs ({evol.epochs}) must be >= 0 and "
                          f"group_size ({evol.group_size}) >= 1")
+    job_settings.require_untuned(config)
     with contextlib.ExitStack() as stack:
-        setup.require_untuned(config)
+        # The job: servers, mesh, checkpoints (one per iteration); the base demonstrations, played once.
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
         demos_path = workdir / "demonstrations.jsonl"
         ckpt = setup.checkpointer(config, workdir, every=1, keep=evol.iterations + 1)
         stack.callback(ckpt.close)
         have_demos = demos_path.exists()
-        episodes = [] if have_demos else play_oracle(config, job.urls, info)
-        framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
+        episodes = [] if have_demos else play.oracle_episodes(config, job.pool(), info)
+        framing, model = setup.tokenizer_and_model(config, workdir, play.episode_texts(info, episodes))
         if have_demos:
             demos = list(read_jsonl(str(demos_path)))
         else:  # every process's share, gathered: the same base set on every process
-            _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
-            played = [demonstration_trajectory(framing, info, ep, group_id=first + i) for i, ep in enumerate(episodes)]
-            demos = [d for d in setup.gather_trajectories(played) if d.success]
+            demos = [d for d in play.demonstrations(config, framing, info, episodes) if d.success]
             if is_writer():
                 write_jsonl(str(demos_path), demos, append=False)
-        model = setup.model_config(config, len(framing.tokenizer))
-        setup.write_model_config(workdir, model)
-        updates = update_config(config, model)
-        test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
-        explore_ids = task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
-        explore_share, explore_first = process_share(explore_ids, "agentevol.explore_tasks", even=False)
-        base_params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        phases = TrainingPhases(config, updates, mesh)
-        state, _ = phases.fresh_state(base_params, rows=len(demos), epochs=config.sft.epochs)
-        eval_engine = stack.enter_context(setup.make_engine(
-            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
-        ))
-        explore_engine = stack.enter_context(setup.make_engine(
-            config, model, framing, job.urls, info,
-            setup.rollout_config(config, temperature=evol.temperature, group_size=evol.group_size),
-        ))
-        sampler_params = lambda p: setup.sampler_params(config, job, p)  # noqa: E731  (this process's devices)
 
+        # The base policy, its behaviour cloning, the exploration tasks and engine, the evaluation.
+        base_params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
+        cloning = BehaviourCloning(config, settings.update(config, model), mesh)
+        state, _ = cloning.fresh_state(base_params, rows=len(demos), epochs=config.sft.epochs)  # the layout a restore reads
+        explore_ids = play.task_batch(info.splits["train"], 0, evol.explore_tasks or len(info.splits["train"]), config.seed + 1)
+        explore_share, explore_first = process_share(explore_ids, "agentevol.explore_tasks", even=False)
+        explore_engine = stack.enter_context(setup.make_engine(
+            config, job, model, framing, job_settings.rollout(config, temperature=evol.temperature, group_size=evol.group_size)))
+        held_out = play.HeldOut.of(config, job, model, framing)
+        local_policy = lambda p: setup.local_policy(config, job, p)  # noqa: E731  (this process's devices)
+
+        # Resume after the last complete iteration; then explore, keep the successes, clone, evaluate.
         start = 0 if ckpt.latest_step is None else ckpt.latest_step + 1
         if start:
             (state, _), _ = ckpt.restore((state, {}), step=start - 1)
@@ -117,10 +104,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             it_dir = workdir / f"iter_{it}"
             explored = trajectories = []
             if it:
-                local_params = sampler_params(state.params)
                 mine = explore_engine.run(
-                    local_params, explore_share, evol.horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), it),
-                    policy_version=it - 1, group_offset=explore_first,
+                    local_policy(state.params), explore_share, evol.horizon,
+                    jax.random.fold_in(jax.random.PRNGKey(config.seed), it), policy_version=it - 1, group_offset=explore_first,
                 ) if explore_share else []
                 trajectories = setup.gather_trajectories(mine)
                 if is_writer():
@@ -132,14 +118,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             init = base_params if evol.from_base or it == 0 else state.params
             init = jax.tree.map(lambda x: x.copy(), init)  # the update donates its state
             epochs = config.sft.epochs if it == 0 else evol.epochs or config.sft.epochs
-            state, step_fns = phases.fresh_state(init, rows=len(data), epochs=epochs)
-            state, history = sft_train(
-                state, data, updates, batch_size=config.sft.batch_size,
-                epochs=epochs, seed=config.seed + it, mesh=mesh, step_fns=step_fns,
-                length_window=config.sft.length_window, progress=is_writer(),
-            )
-            result = evaluate(eval_engine, sampler_params(state.params), test_ids, config.eval.horizon, config.seed,
-                              desc=f"eval iteration {it}")
+            state, history = cloning.train(init, data, epochs=epochs, seed=config.seed + it)
+            result = held_out(local_policy(state.params), it_dir / "eval.jsonl", f"eval iteration {it}")
             record = {
                 "iteration": it, "explored_episodes": len(trajectories), "kept": len(explored),
                 "train_trajectories": len(data), "sft_final_nll": history[-1]["nll"], "eval": result,
@@ -148,40 +128,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
                 (it_dir / "eval.json").write_text(json.dumps(record, indent=2))
             ckpt.save(it, (state, {}), {"iteration": it}, force=True)  # completes the iteration
             if is_writer():
-                _write_progress(workdir, it, info, test_ids)
+                _write_progress(workdir, it, info, held_out.task_ids)
                 print(f"agentevol: iteration={it} train_trajectories={len(data)} "
                       f"heldout_success={result['success_rate']:.3f}", flush=True)
     # every iteration's held-out metrics, from the eval.json files (process 0's; others see them on a shared disk)
     return {it: json.loads(path.read_text())["eval"] for it in range(evol.iterations + 1)
             if (path := workdir / f"iter_{it}" / "eval.json").exists()}
-
-
-class TrainingPhases:
-    """Fresh train states for each iteration's training, with an optimizer schedule that spans
-    exactly that iteration's updates (a cosine decay ends at the iteration's last update).
-
-    `TrainState.tx` is static, so each schedule length gets its own optimizer object and compiled
-    update; iterations with the same number of updates (and a constant learning rate, where the
-    length does not matter) share them.
-    """
-
-    def __init__(self, config: ml_collections.ConfigDict, update_config: UpdateConfig, mesh: Mesh):
-        self._config, self._update_config, self._mesh = config, update_config, mesh
-        self._optimizers: dict[int, optax.GradientTransformation] = {}
-        self._step_fns: dict[int, StepFns] = {}
-
-    def fresh_state(self, params: Any, *, rows: int, epochs: int) -> tuple[TrainState, StepFns]:
-        """A placed train state over `params` for `epochs` passes over `rows` rows, and its update."""
-        config = self._config
-        updates = epochs * -(-rows // config.sft.batch_size)
-        key = 0 if config.optim.lr_schedule == "constant" else updates
-        if key not in self._optimizers:
-            self._optimizers[key] = make_optimizer(optim_config(config.optim, updates, lr=config.sft.lr))
-        state = TrainState.create(params, self._optimizers[key], jax.random.PRNGKey(config.seed + 2))
-        shardings = train_state_shardings(state, self._mesh)
-        if key not in self._step_fns:
-            self._step_fns[key] = make_step_fns(self._update_config, self._mesh, shardings)
-        return jax.device_put(state, shardings), self._step_fns[key]
 
 
 def _write_progress(workdir: pathlib.Path, last: int, info: TaskInfo, test_ids: Sequence[int]) -> None:

@@ -25,114 +25,91 @@ import jax
 import ml_collections
 from absl import logging
 
-from agentgym_jax.job import setup
-from agentgym_jax.parallel.distributed import (
-    broadcast_object, gather_objects, initialize_distributed, is_writer, process_share,
-)
-from agentgym_jax.rl.curriculum import from_config as task_curriculum
-from agentgym_jax.rl.horizon import from_config as horizon_schedule
-from agentgym_jax.rollout.demonstrations import demonstration_trajectory
+from agentgym_jax.job import play, setup
+from agentgym_jax.job import settings as job_settings
+from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer, process_share
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
-from agentgym_jax.train.jobs import (
-    batch_filter, critic_states, episode_texts, evaluate, optim_config, play_oracle, rl_optim_config, rl_temperature,
-    rollout_metrics, task_batch, update_config,
-)
-from agentgym_jax.train import rl_report
+from agentgym_jax.train import build, rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
-from agentgym_jax.train.sft import sft_num_updates, sft_train
-from agentgym_jax.train.state import TrainState, make_optimizer, reference_params
-from agentgym_jax.train.steps import make_step_fns, train_state_shardings
+from agentgym_jax.train.sft import BehaviourCloning
+from agentgym_jax.train.state import make_optimizer, reference_params
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     start_time = time.time()
     process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
-    schedule = horizon_schedule(config.horizon)
-    curriculum = task_curriculum(config.curriculum)
+    schedule = settings.horizon_schedule(config.horizon_schedule)
+    curriculum = settings.curriculum(config.curriculum)
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
         return finished
     with contextlib.ExitStack() as stack:
+        # The job: servers, mesh, checkpoints; oracle demonstrations (also the tokenizer's text) unless resuming.
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
-        curriculum.check(info.splits["train"], info.metadata)
+        settings.check_curriculum(curriculum, info.splits["train"], info.metadata)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         resuming = ckpt.latest_step is not None
-        episodes = [] if resuming or config.sft.num_tasks == 0 else play_oracle(config, job.urls, info)
-        framing = setup.tokenizer_and_framing(config, workdir, episode_texts(info, episodes))
-        model = setup.model_config(config, len(framing.tokenizer))
-        setup.write_model_config(workdir, model)
-        updates = update_config(config, model, temperature=rl_temperature(config))
-        rng = jax.random.PRNGKey(config.seed)
-        params = setup.initial_params(config, model, mesh, rng, value_head=updates.shared_value_head)
-        params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
-        rl_tx = make_optimizer(rl_optim_config(config, updates.updates_per_step))  # schedule in optimizer updates
-        state = TrainState.create(params, rl_tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
-        state_shardings = train_state_shardings(state, mesh)
-        state = jax.device_put(state, state_shardings)  # also the layout a restore reads into
-        critic = critic_states(config, updates, mesh, params)  # [] or [PPO's separate critic]
-        step_fns = make_step_fns(updates, mesh, state_shardings, *(train_state_shardings(c, mesh) for c in critic))
-        test_ids = sorted(info.splits["test"])[: config.eval.num_tasks]
-        eval_engine = stack.enter_context(setup.make_engine(
-            config, model, framing, job.urls, info, setup.rollout_config(config, temperature=config.eval.temperature, group_size=1)
-        ))
-        train_engine = stack.enter_context(setup.make_engine(config, model, framing, job.urls, info, setup.rollout_config(config)))
-        def sampler_params(state: TrainState):  # the merged policy on this process's devices
-            return setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+        episodes = [] if resuming or config.sft.num_tasks == 0 else play.oracle_episodes(config, job.pool(), info)
+        framing, model = setup.tokenizer_and_model(config, workdir, play.episode_texts(info, episodes))
 
+        # The policy, its update, the separate critic if any, and the engines that sample it.
+        update = settings.update(config, model, objective="rl")
+        params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=update.rl.shared_value_head)
+        critic = build.critic_states(config, update, mesh, params)  # [] or [PPO's separate critic]
+        rl_tx = make_optimizer(settings.rl_optim(config, update.batching.updates_per_step))  # schedule in optimizer updates
+        state, step_fns = build.policy_state(config, update, params, mesh, rl_tx, *critic)
+        held_out = play.HeldOut.of(config, job, model, framing)
+        train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
+
+        def local_policy(state):  # the merged policy on this process's devices
+            return setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+
+        # Resume, or warm start: SFT on the successful demonstrations, the frozen reference, evaluation before RL.
         if resuming:
             (state, ref_params, *critic), meta = ckpt.restore(
-                (state, reference_params(params, updates.compute_dtype), *critic))
+                (state, reference_params(state.params, update.forward.compute_dtype), *critic))
             logging.info("resumed from step %d", meta["rl_step"])
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
-            if config.sft.num_tasks:  # SFT warm start on the successful oracle demonstrations
-                _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
-                demos = setup.gather_trajectories([demonstration_trajectory(framing, info, ep, group_id=first + i)
-                                             for i, ep in enumerate(episodes)])
+            if config.sft.num_tasks:
+                demos = play.demonstrations(config, framing, info, episodes)
                 if is_writer():
                     write_jsonl(str(workdir / "demonstrations.jsonl"), demos, append=False)
-                successes = [d for d in demos if d.success]
-                sft_updates = sft_num_updates(len(successes), config.sft.batch_size, config.sft.epochs)
-                sft_tx = make_optimizer(optim_config(config.optim, sft_updates, lr=config.sft.lr))
-                sft_state = TrainState.create(state.params, sft_tx, jax.random.PRNGKey(config.seed + 3), frozen=state.frozen)
-                sft_state, history = sft_train(
-                    sft_state, successes, updates,
-                    batch_size=config.sft.batch_size, epochs=config.sft.epochs, seed=config.seed, mesh=mesh,
-                    length_window=config.sft.length_window, progress=is_writer(),
-                )
-                fresh_opt = jax.jit(state.tx.init, out_shardings=state_shardings.opt_state)  # placed like the state
-                state = state.replace(params=sft_state.params, frozen=sft_state.frozen,  # both donated through SFT
-                                      opt_state=fresh_opt(sft_state.params))
+                sft_state, history = BehaviourCloning(config, update, mesh).train(
+                    state.params, [d for d in demos if d.success], epochs=config.sft.epochs, seed=config.seed,
+                    frozen=state.frozen)
+                state = build.restart_optimizer(state, sft_state.params, sft_state.frozen, mesh)
                 meta["sft_final_nll"] = history[-1]["nll"]
-            ref_params = reference_params(state.params, updates.compute_dtype)
+            ref_params = reference_params(state.params, update.forward.compute_dtype)
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
-                critic = critic_states(config, updates, mesh, state.params, *(c.tx for c in critic))
-            meta["eval_before"] = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon,
-                                           config.seed, desc="eval before RL")
+                critic = build.critic_states(config, update, mesh, state.params, *(c.tx for c in critic))
+            meta["eval_before"] = held_out(local_policy(state), workdir / "eval_before.jsonl", "eval before RL")
             ckpt.save(0, (state, ref_params, *critic), {**meta, "minutes": process_minutes()}, force=True)
         resumed_from = meta["rl_step"] if resuming else None
         earlier_minutes = meta.get("minutes", 0.0) if resuming else 0.0  # the earlier processes' time to the checkpoint
         run_minutes = lambda: earlier_minutes + process_minutes()  # noqa: E731
 
+        # RL: each step's tasks, horizon and sampling key are functions of the step (exact resume).
         trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
         truncate_jsonl(trajectories_path, before_version=meta["rl_step"])  # the steps after it are replayed
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer(),
                                desc="rl")
+        rules = settings.batch_filter(config)
         for step in range(meta["rl_step"], config.train.steps):
             horizon = schedule.horizon(step)
             pool = curriculum.pool(info.splits["train"], info.metadata, step)
-            tasks, first = process_share(task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
+            tasks, first = process_share(play.task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
             t0 = time.time()
             trajectories = train_engine.run(
-                sampler_params(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
+                local_policy(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
                 policy_version=step, group_offset=first,
             )
             rollout_s = time.time() - t0
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
-                trajectories, step_fns.padded_rows, mesh, batch_filter(config))  # empty rows: rows divide over the mesh
+                trajectories, step_fns.padded_rows, mesh, rules)  # empty rows: rows divide over the mesh
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
                                                      *(c.params for c in critic))
@@ -144,9 +121,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             update_s = time.time() - t1
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             metrics = {
-                **rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics), **update_metrics,
-                "horizon": horizon, "stage": schedule.stage(step), "task_pool": len(pool), "rollout_s": rollout_s, "update_s": update_s,
-                "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
+                **play.rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics),
+                **update_metrics, "horizon": horizon, "stage": schedule.stage(step), "task_pool": len(pool),
+                "rollout_s": rollout_s, "update_s": update_s, "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
                 "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
             }
             logger.log(step + 1, metrics)
@@ -156,10 +133,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                       force=step + 1 == config.train.steps)
         logger.close()
 
-        after = evaluate(eval_engine, sampler_params(state), test_ids, config.eval.horizon, config.seed,
-                         desc="eval after RL")
-        if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
+        # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).
+        after = held_out(local_policy(state), workdir / "eval_after.jsonl", "eval after RL")
+        if state.frozen:
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
+
+    # The report: before and after, minutes over every process that ran the job.
     if not is_writer():
         return {"success_before": meta["eval_before"]["success_rate"], "success_after": after["success_rate"]}
     this_process = process_minutes()

@@ -29,7 +29,7 @@ def build_report(
     *, env: str, seed: int, steps: int, reward_shaping: str, before: Mapping[str, Any], after: Mapping[str, Any],
     minutes: float, process_minutes: float, resumed_from_step: int | None,
 ) -> dict[str, Any]:
-    """The record `report.json` holds (`before`/`after`: `train.jobs.evaluate` results)."""
+    """The record `report.json` holds (`before`/`after`: `job.play.evaluation_metrics` of the held-out evaluations)."""
     intervals = {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
                  for name, result in (("before", before), ("after", after))}
     return {

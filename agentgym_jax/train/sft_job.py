@@ -5,11 +5,7 @@ dropped unless `data.include_failures`) and AgentGym conversation files (`data.a
 AgentTraj-L style, imported with the loss on trained `gpt` turns only). Every row is tagged with
 its environment: the trajectory's `env`, the AgentGym item's `<env>_<id>`.
 
-The mixture rule (`mixture_schedule`): every row of every batch independently picks environment
-e with probability w_e / sum(w) (`data.weights`, "env=w,..."; empty: w_e = the env's row count,
-i.e. plain uniform sampling over rows), from a generator seeded by `seed`; within an environment,
-rows are taken in a seeded permutation without replacement, a new permutation once all its rows
-were used (an "epoch" of that environment). The whole schedule is fixed before training, so a
+The rows of every batch are fixed before training by the mixture rule (`train/sft_data.py`), so a
 resumed run takes exactly the batches of an uninterrupted one.
 
 Checkpoints (`checkpoints/<step>`, `(TrainState, {})`, loadable by `mode=eval` with
@@ -25,104 +21,37 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-from collections.abc import Mapping
 
 import jax
 import ml_collections
-import numpy as np
 from absl import logging
 
-from agentgym_jax.config import ConfigError
-from agentgym_jax.job import setup
+from agentgym_jax.job import play, setup
 from agentgym_jax.parallel.distributed import is_writer, rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
-from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.batch import bucket, make_token_batch
-from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
-from agentgym_jax.train.jobs import check_token_ids, evaluate, optim_config, update_config
+from agentgym_jax.train import build, settings
 from agentgym_jax.train.metrics import MetricsLogger
-from agentgym_jax.train.state import TrainState, make_optimizer
-from agentgym_jax.train.steps import make_step_fns, train_state_shardings
-
-
-def parse_weights(spec: str) -> dict[str, float]:
-    """`"webshop=2,alfworld=1"` -> {"webshop": 2.0, "alfworld": 1.0} (empty string: {})."""
-    weights = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        env, _, value = (x.strip() for x in part.partition("="))
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = -1.0
-        if not env or weight < 0:
-            raise ConfigError(f"data.weights: expected 'env=weight,...' with weights >= 0, got {part!r} in {spec!r}")
-        weights[env] = weight
-    return weights
-
-
-def mixture_schedule(
-    sizes: Mapping[str, int], weights: Mapping[str, float], batch_size: int, steps: int, seed: int
-) -> list[list[tuple[str, int]]]:
-    """The (env, row index) of every row of every batch, `[steps][batch_size]`; see the module docstring."""
-    if set(weights) != set(sizes):
-        raise ConfigError(
-            f"data.weights names {sorted(weights)} but the data has environments {sorted(sizes)}; give every one a weight"
-        )
-    envs = sorted(e for e in sizes if weights[e] > 0 and sizes[e] > 0)
-    if not envs:
-        raise ConfigError(f"no environment with rows and a positive weight: sizes {dict(sizes)}, weights {dict(weights)}")
-    p = np.asarray([weights[e] for e in envs], np.float64)
-    picks = np.random.default_rng(seed).choice(len(envs), size=(steps, batch_size), p=p / p.sum())  # [steps, batch]
-    drawn = [0] * len(envs)
-    orders: dict[tuple[int, int], np.ndarray] = {}
-    schedule = []
-    for row_picks in picks:
-        rows = []
-        for k in row_picks:
-            epoch, offset = divmod(drawn[k], sizes[envs[k]])
-            if (k, epoch) not in orders:
-                orders[(k, epoch)] = np.random.default_rng([seed, k, epoch]).permutation(sizes[envs[k]])
-            rows.append((envs[k], int(orders[(k, epoch)][offset])))
-            drawn[k] += 1
-        schedule.append(rows)
-    return schedule
-
-
-def load_rows(config: ml_collections.ConfigDict, framing) -> dict[str, list[Trajectory]]:
-    """Every training row, grouped by environment, in file order."""
-    rows: dict[str, list[Trajectory]] = collections.defaultdict(list)
-    for path in _paths(config.data.trajectories):
-        for t in read_jsonl(path):
-            if (t.success or config.data.include_failures) and any(t.loss_mask):
-                rows[t.env].append(t)
-    for path in _paths(config.data.agentgym):
-        for t in agentgym_format.import_file(path, framing):
-            if t.success or config.data.include_failures:
-                rows[t.env].append(t)
-    if not rows:
-        raise ConfigError("mode=sft found no training rows: set data.trajectories and/or data.agentgym")
-    return dict(rows)
+from agentgym_jax.train.sft_data import conversation_texts, load_rows, mixture_schedule, parse_weights
+from agentgym_jax.train.state import make_optimizer
 
 
 def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
+        # The job (servers only for a final evaluation), the tokenizer and model, the data and its schedule.
         job = stack.enter_context(setup.open_job(config, servers=bool(config.eval.num_tasks)))
         workdir, mesh = job.workdir, job.mesh
-        framing = setup.tokenizer_and_framing(config, workdir, _conversation_texts(config))
+        framing, model = setup.tokenizer_and_model(config, workdir, conversation_texts(config))
         rows = load_rows(config, framing)
-        model = setup.model_config(config, len(framing.tokenizer))
-        check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
-        setup.write_model_config(workdir, model)
+        setup.check_token_ids((t for r in rows.values() for t in r), model.vocab_size)
         weights = parse_weights(config.data.weights) or {e: float(len(r)) for e, r in rows.items()}
         schedule = mixture_schedule({e: len(r) for e, r in rows.items()}, weights, config.train.batch_size,
                                     config.train.steps, config.seed)
+
+        # The policy (LoRA or top layers where `config.model` says) and its update; resume.
         params = setup.initial_params(config, model, mesh, jax.random.PRNGKey(config.seed), value_head=False)
-        params, frozen = setup.split_params(config, params, mesh, jax.random.PRNGKey(config.seed + 6))  # LoRA, top layers
-        tx = make_optimizer(optim_config(config.optim, config.train.steps))
-        state = TrainState.create(params, tx, jax.random.PRNGKey(config.seed + 2), frozen=frozen)
-        shardings = train_state_shardings(state, mesh)
-        state = jax.device_put(state, shardings)
-        step_fns = make_step_fns(update_config(config, model), mesh, shardings)
+        tx = make_optimizer(settings.optim(config, config.train.steps))
+        state, step_fns = build.policy_state(config, settings.update(config, model), params, mesh, tx)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         start = ckpt.latest_step or 0
@@ -130,6 +59,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, _), _ = ckpt.restore((state, {}))
             logging.info("resumed SFT at step %d", start)
 
+        # The steps: each batch the schedule's rows, padded to its own length bucket.
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer(),
                                desc="sft")
         for step in range(start, config.train.steps):
@@ -144,27 +74,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         if state.frozen:  # checkpoints hold the adapters (or top layers); the merged policy goes beside them
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
 
+        # An evaluation on held-out tasks of `env.name`, where asked.
         result = {}
         if config.eval.num_tasks:
-            engine = stack.enter_context(setup.make_engine(
-                config, model, framing, job.urls, job.info,
-                setup.rollout_config(config, temperature=config.eval.temperature, group_size=1),
-            ))
-            test_ids = sorted(job.info.splits["test"])[: config.eval.num_tasks]
-            result = evaluate(engine, setup.sampler_params(config, job, setup.policy_params(config, mesh, state.params, state.frozen)), test_ids, config.eval.horizon, config.seed)
+            held_out = play.HeldOut.of(config, job, model, framing)
+            policy = setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+            result = held_out(policy, workdir / "eval.jsonl", "eval")
             if is_writer():
                 (workdir / "eval.json").write_text(json.dumps(result, indent=2))
-                print(f"summary: env={job.info.env} heldout_tasks={len(test_ids)} success={result['success_rate']:.3f}")
+                print(f"summary: env={job.info.env} heldout_tasks={len(held_out.task_ids)} success={result['success_rate']:.3f}")
     return result
-
-
-def _paths(spec: str) -> list[str]:
-    return [p.strip() for p in spec.split(",") if p.strip()]
-
-
-def _conversation_texts(config: ml_collections.ConfigDict) -> list[str] | None:
-    """Message texts of the AgentGym files: what a job-built tokenizer learns from."""
-    texts = [turn["value"] for path in _paths(config.data.agentgym) for item in agentgym_format.read_file(path)
-             for turn in item.get("conversations") or [] if isinstance(turn, Mapping)]
-    return texts or None
-

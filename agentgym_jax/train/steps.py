@@ -1,4 +1,11 @@
-"""Jitted, pure update steps: the PPO-family RL update and the SFT step.
+"""Jitted, pure update steps: the PPO-family RL update, the SFT step and the DPO step, all on one
+micro-batched update path (`accumulated_update`).
+
+An `UpdateConfig` has typed parts, each read from its own config section by `train/settings.py`:
+`Forward` (how the model runs: dtype, remat, log-prob chunk, kernels, LoRA scale), `Batching`
+(epochs, mini- and micro-batches, length buckets, loss aggregation), and the objective besides
+behaviour cloning: `RLSpec` (estimator and policy loss from the `rl/` registries with their
+declared hyper-parameters, KL, entropy, value model, temperature, correction) or `DPOSpec`.
 
 `prepare` turns a `TokenBatch` of trajectories into an `RLBatch` (trainer log-probs of the
 sampled tokens, reference log-probs, critic values, advantages, returns) once per rollout batch;
@@ -14,7 +21,7 @@ chunk of `logprob_chunk` positions at a time (the [rows, seq, vocab] logits neve
 backward pass neither), attention is blockwise (`decoder.flash_attention`), and `remat` picks
 what each layer keeps for the backward pass.
 
-`make_step_fns` jits the three steps once per run: plainly on one device, or over a mesh with
+`make_step_fns` jits the steps once per run: plainly on one device, or over a mesh with
 explicit in/out shardings (`train_state_shardings` for the state, batch rows over
 ("data", "fsdp"), metrics replicated).
 """
@@ -24,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.struct
@@ -36,14 +43,16 @@ from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import tuning
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, value_head
+from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name
+from agentgym_jax.models.decoder import value_head as decoder_value_head
 from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import BATCH_AXES
 from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
-from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, DISCOUNTS, compute_advantages, estimator_hparams
+from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, Estimator, compute_advantages
 from agentgym_jax.rl.correction import IS_LEVELS, importance_weights
+from agentgym_jax.rl.dpo import dpo_loss
 from agentgym_jax.rl.kl import KL_ESTIMATORS, apply_kl_penalty, kl_loss
-from agentgym_jax.rl.losses import entropy_from_logits, ppo_policy_loss, value_loss
+from agentgym_jax.rl.losses import POLICY_LOSSES, PolicyLoss, entropy_from_logits, value_loss
 from agentgym_jax.rl.masked import LOSS_AGG_MODES, aggregate_loss, masked_count, masked_mean
 from agentgym_jax.rollout.batch import TokenBatch
 from agentgym_jax.train.state import TrainState
@@ -51,53 +60,34 @@ from agentgym_jax.train.state import TrainState
 Metrics = dict[str, jax.Array]
 
 
-# The policy-gradient surrogates `rl_loss` can use: PPO's per-token ratio, GSPO's per-sequence one.
-POLICY_LOSSES = {"ppo": "token", "gspo": "sequence"}
 # Off-policy corrections of trainer vs sampler log-probs (`rl/correction.py`): none, truncated IS.
 IS_CORRECTIONS = ("none", *IS_LEVELS)
 # GAE's value model: a head on the policy's trunk (one optimizer), or a separate model with its
 # own parameters and optimizer (a second TrainState; verl's default).
 CRITICS = ("shared", "separate")
-# Advantage hyper-parameters that are fields of `UpdateConfig` (config keys `algo.<name>`).
-_ADVANTAGE_FIELDS = ("gamma", "lam", "discount", "whiten")
+Hparams = tuple[tuple[str, Any], ...]  # (name, value) pairs, sorted: hashable keyword arguments
+
+
+def _one_of(owner: Any, name: str, valid) -> None:
+    if getattr(owner, name) not in valid:
+        raise ValueError(f"{name}={getattr(owner, name)!r} is not one of {', '.join(map(str, valid))}")
+
+
+def _at_least(bound: float, strict: bool, **values) -> None:
+    for name, value in values.items():
+        if value is not None and (value < bound or (strict and value == bound)):
+            raise ValueError(f"{name} must be {'>' if strict else '>='} {bound}, got {value}")
+
+
+def _hparams(value: Mapping[str, Any] | Hparams) -> Hparams:
+    return tuple(sorted(dict(value).items()))
 
 
 @dataclasses.dataclass(frozen=True)
-class UpdateConfig:
-    """Hyper-parameters of one update; hashable, so it is a static argument of the jitted steps.
-
-    A bad value raises `ValueError` naming the field, the value and the valid ones.
-    """
+class Forward:
+    """How the trainer runs the model, whatever the loss (RL, SFT, DPO, the critic's)."""
 
     model: ModelConfig
-    advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
-    advantage_epsilon: float | None = None  # the std divisor's guard (grpo, dr_grpo, reinforce_plus_plus); None: theirs
-    gamma: float = 1.0  # discount of REINFORCE++ and GAE
-    lam: float = 1.0  # GAE's lambda
-    discount: str = "token"  # gamma and lam per policy token or per turn (rl.advantages.DISCOUNTS)
-    whiten: bool = True  # GAE's advantages whitened over the batch (verl's default)
-    ppo_epochs: int = 1
-    num_minibatches: int = 1  # optimizer updates per epoch
-    num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
-    length_buckets: int = 1  # > 1: micro-batches grouped by length, each run at its own (`length_buckets()`)
-    policy_loss: str = "ppo"  # a key of POLICY_LOSSES
-    clip_eps_low: float = 0.2
-    clip_eps_high: float | None = None  # None: clip_eps_low; higher: DAPO's clip-higher
-    dual_clip_c: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    kl_in_reward: bool = False  # False: KL is a loss term (GRPO); True: a reward penalty (PPO)
-    entropy_coef: float = 0.0
-    vf_coef: float = 0.5  # weight of the value loss in the shared-trunk loss
-    clip_eps_value: float = 0.5
-    critic: str = "shared"  # one of CRITICS (used by gae only)
-    critic_model: ModelConfig | None = None  # the separate critic's architecture; None: the policy's
-    agg_mode: str = "token-mean"
-    loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
-    temperature: float = 1.0  # the sampling temperature: RL log-probs are of logits / temperature
-    is_correction: str = "none"  # truncated importance sampling: one of IS_CORRECTIONS
-    decoupled_ppo: bool = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
-    is_cap: float = 2.0  # truncation (TIS) or drop (decoupled PPO) threshold of the weights
     compute_dtype: str | None = None  # None: the parameters' dtype
     remat: str | bool = "none"  # what each layer keeps for the backward: a key of decoder.REMAT_POLICIES
     logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
@@ -107,45 +97,99 @@ class UpdateConfig:
     activation_sharding: NamedSharding | None = None
 
     def __post_init__(self):
-        def one_of(name: str, valid) -> None:
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(map(str, valid))}")
-
-        def at_least(bound: float, strict: bool, **values) -> None:
-            for name, value in values.items():
-                if value is not None and (value < bound or (strict and value == bound)):
-                    raise ValueError(f"{name} must be {'>' if strict else '>='} {bound}, got {value}")
-
-        one_of("advantage", ADVANTAGE_ESTIMATORS)
-        one_of("discount", DISCOUNTS)
-        one_of("policy_loss", POLICY_LOSSES)
-        one_of("kl_estimator", KL_ESTIMATORS)
-        one_of("agg_mode", LOSS_AGG_MODES)
-        one_of("is_correction", IS_CORRECTIONS)
-        one_of("critic", CRITICS)
-        at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
-                 num_microbatches=self.num_microbatches, length_buckets=self.length_buckets)
-        at_least(0, False, clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
-                 kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
-        at_least(0, True, temperature=self.temperature, is_cap=self.is_cap, loss_norm_length=self.loss_norm_length,
-                 advantage_epsilon=self.advantage_epsilon)
-        at_least(1, True, dual_clip_c=self.dual_clip_c)
-        for name, value in (("gamma", self.gamma), ("lam", self.lam)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
-            raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
-        if self.decoupled_ppo and self.is_correction != "none":
-            raise ValueError(f"decoupled_ppo weights the loss already; is_correction must be 'none', got {self.is_correction!r}")
-        if self.advantage_epsilon is not None and "epsilon" not in estimator_hparams(self.advantage):
-            raise ValueError(f"advantage_epsilon is not used by {self.advantage} (it divides by no std); leave it unset (0)")
         remat_name(self.remat)  # raises on an unknown policy, naming the valid ones
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
 
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How an update cuts its batch (epochs, mini-batches, micro-batches, lengths) and sums the
+    per-token losses into one number (`agg_mode`, which also weighs the micro-batches)."""
+
+    ppo_epochs: int = 1  # passes over an RL batch (SFT and DPO: one)
+    num_minibatches: int = 1  # optimizer updates per epoch
+    num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
+    length_buckets: int = 1  # > 1: micro-batches grouped by length, each run at its own (`length_buckets()`)
+    agg_mode: str = "token-mean"  # one of rl.masked.LOSS_AGG_MODES
+    loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
+
+    def __post_init__(self):
+        _one_of(self, "agg_mode", LOSS_AGG_MODES)
+        _at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
+                  num_microbatches=self.num_microbatches, length_buckets=self.length_buckets)
+        _at_least(0, True, loss_norm_length=self.loss_norm_length)
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of one `rl_update`: what learning-rate schedules count."""
+        return self.ppo_epochs * self.num_minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+    """The RL objective: advantage estimator and policy loss (registries in `rl/`, each with its
+    declared hyper-parameters), KL to the reference, entropy, the value model, the sampling
+    temperature and the off-policy correction. A bad value raises `ValueError` naming it."""
+
+    advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGE_ESTIMATORS
+    advantage_hparams: Hparams = ()  # of those the estimator declares; unset ones take its defaults
+    policy_loss: str = "ppo"  # a key of rl.losses.POLICY_LOSSES
+    loss_hparams: Hparams = ()  # of those the loss declares (PPO: clip_eps_low, clip_eps_high, dual_clip_c)
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    kl_in_reward: bool = False  # False: KL is a loss term (GRPO); True: a reward penalty (PPO)
+    entropy_coef: float = 0.0
+    vf_coef: float = 0.5  # weight of the value loss in the shared-trunk loss
+    clip_eps_value: float = 0.5
+    critic: str = "shared"  # one of CRITICS (estimators that need a critic only)
+    critic_model: ModelConfig | None = None  # the separate critic's architecture; None: the policy's
+    temperature: float = 1.0  # the sampling temperature: RL log-probs are of logits / temperature
+    is_correction: str = "none"  # truncated importance sampling: one of IS_CORRECTIONS
+    decoupled_ppo: bool = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
+    is_cap: float = 2.0  # truncation (TIS) or drop (decoupled PPO) threshold of the weights
+
+    def __post_init__(self):
+        object.__setattr__(self, "advantage_hparams", _hparams(self.advantage_hparams))
+        object.__setattr__(self, "loss_hparams", _hparams(self.loss_hparams))
+        _one_of(self, "advantage", ADVANTAGE_ESTIMATORS)
+        _one_of(self, "policy_loss", POLICY_LOSSES)
+        _one_of(self, "kl_estimator", KL_ESTIMATORS)
+        _one_of(self, "is_correction", IS_CORRECTIONS)
+        _one_of(self, "critic", CRITICS)
+        _at_least(0, False, kl_coef=self.kl_coef, vf_coef=self.vf_coef, clip_eps_value=self.clip_eps_value)
+        _at_least(0, True, temperature=self.temperature, is_cap=self.is_cap)
+        if self.decoupled_ppo and self.is_correction != "none":
+            raise ValueError(f"decoupled_ppo weights the loss already; is_correction must be 'none', got {self.is_correction!r}")
+        for owner, declared, given in (("advantage " + self.advantage, self.estimator.hparams, self.advantage_hparams),
+                                       ("policy_loss " + self.policy_loss, self.loss.hparams, self.loss_hparams)):
+            if unknown := sorted(set(dict(given)) - set(declared)):
+                raise ValueError(f"{owner} takes no {unknown}; valid: {sorted(declared)}")
+        self._check_hparams()
+
+    def _check_hparams(self) -> None:
+        """The estimator and loss refuse their own bad hyper-parameters (`rl.masked.check_hparams`):
+        traced once on abstract [1, 2] rows, so a bad value stops the job before any work."""
+        row = jax.ShapeDtypeStruct((1, 2), jnp.float32)
+        mask = jax.ShapeDtypeStruct((1, 2), jnp.bool_)
+        jax.eval_shape(lambda r, m, v, g: compute_advantages(self.advantage, token_rewards=r, loss_mask=m, values=v,
+                                                              group_ids=g, **dict(self.advantage_hparams)),
+                       row, mask, row, jax.ShapeDtypeStruct((1,), jnp.int32))
+        jax.eval_shape(lambda lp, m: self.loss.fn(lp, lp, lp, m, agg_mode="token-mean", **dict(self.loss_hparams)), row, mask)
+
+    @property
+    def estimator(self) -> Estimator:
+        return ADVANTAGE_ESTIMATORS[self.advantage]
+
+    @property
+    def loss(self) -> PolicyLoss:
+        return POLICY_LOSSES[self.policy_loss]
+
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return self.estimator.needs_critic
 
     @property
     def shared_value_head(self) -> bool:
@@ -162,19 +206,34 @@ class UpdateConfig:
         return self.kl_coef > 0
 
     @property
-    def updates_per_step(self) -> int:
-        """Optimizer updates of one `rl_update`: what learning-rate schedules count."""
-        return self.ppo_epochs * self.num_minibatches
-
-    @property
     def corrects_off_policy(self) -> bool:
         return self.decoupled_ppo or self.is_correction != "none"
 
-    def estimator_kwargs(self) -> dict[str, Any]:
-        """The advantage estimator's hyper-parameters: the fields it takes (epsilon only if set)."""
-        takes = estimator_hparams(self.advantage)
-        kwargs = {k: getattr(self, k) for k in _ADVANTAGE_FIELDS if k in takes}
-        return kwargs if self.advantage_epsilon is None else {**kwargs, "epsilon": self.advantage_epsilon}
+
+@dataclasses.dataclass(frozen=True)
+class DPOSpec:
+    """Direct Preference Optimization (`rl/dpo.py`): `beta`, the temperature of the implicit reward."""
+
+    beta: float = 0.1
+
+    def __post_init__(self):
+        _at_least(0, True, beta=self.beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """One update: the forward pass, the batching, and the objective besides behaviour cloning
+    (which every config has: SFT), RL's or DPO's; hashable, so it is a static argument of the
+    jitted steps."""
+
+    forward: Forward
+    batching: Batching = Batching()
+    rl: RLSpec | None = None
+    dpo: DPOSpec | None = None
+
+    def __post_init__(self):
+        if self.rl is not None and self.dpo is not None:
+            raise ValueError("an update has one objective besides behaviour cloning: rl or dpo, not both")
 
 
 @flax.struct.dataclass
@@ -191,7 +250,8 @@ class RLBatch:
 
 
 def token_logprobs(
-    params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig, temperature: float = 1.0
+    params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward, temperature: float = 1.0,
+    value_head: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
 
@@ -201,28 +261,29 @@ def token_logprobs(
     hidden states; the vocabulary projection, log-softmax and gather then run `logprob_chunk`
     positions at a time (`chunked_logprobs`), so the [batch, seq, vocab] logits are never held.
     """
-    hidden = _trunk(params, tokens, positions, config, config.model)  # [batch, seq, hidden]
+    hidden = _trunk(params, tokens, positions, forward, forward.model)  # [batch, seq, hidden]
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
     logp, entropy = chunked_logprobs(
-        hidden, output_head(params, config.model), targets, config.logprob_chunk, temperature
+        hidden, output_head(params, forward.model), targets, forward.logprob_chunk, temperature
     )
-    if config.shared_value_head:
-        values = value_head(params, hidden)  # value of the state each token is sampled in
+    if value_head:
+        values = decoder_value_head(params, hidden)  # value of the state each token is sampled in
     else:
         values = jnp.zeros_like(logp)
     shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731
     return shift(logp), shift(entropy), shift(values)
 
 
-def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig) -> jax.Array:
+def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward,
+                  model: ModelConfig | None = None) -> jax.Array:
     """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
     value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
-    left out by XLA)."""
-    hidden = _trunk(critic_params, tokens, positions, config, config.critic_model or config.model)
-    return jnp.pad(value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
+    left out by XLA). `model`: the critic's architecture (None: the policy's)."""
+    hidden = _trunk(critic_params, tokens, positions, forward, model or forward.model)
+    return jnp.pad(decoder_value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
 
 
-def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: UpdateConfig, model: ModelConfig) -> jax.Array:
+def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: Forward, model: ModelConfig) -> jax.Array:
     """`model`'s final hidden states [batch, seq, hidden] in the update's compute dtype, remat,
     attention kernels and activation sharding."""
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
@@ -274,30 +335,31 @@ def prepare(
     cut to its own with `length_buckets > 1`, and skipped where no row trains a token.
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
-    separate critic's (`config.separate_critic`), else None.
+    separate critic's (`config.rl.separate_critic`), else None.
     """
-    if config.separate_critic != (critic_params is not None):
-        raise ValueError(f"critic={config.critic!r} with advantage={config.advantage!r}: critic_params must be "
-                         f"{'given' if config.separate_critic else 'None'}")
+    rl, forward, batching = config.rl, config.forward, config.batching
+    if rl.separate_critic != (critic_params is not None):
+        raise ValueError(f"critic={rl.critic!r} with advantage={rl.advantage!r}: critic_params must be "
+                         f"{'given' if rl.separate_critic else 'None'}")
     mask = batch.loss_mask
     check_microbatches(batch.tokens.shape[0], config)
-    parts = config.num_minibatches * config.num_microbatches
-    temperature = config.temperature
+    parts = batching.num_minibatches * batching.num_microbatches
+    temperature = rl.temperature
 
     def score(all_params: tuple[Any, Any, Any], part: TokenBatch) -> tuple[jax.Array, ...]:
         params, ref_params, critic_params = all_params
         rows = (part.tokens, part.positions)
-        old_logprobs, entropy, values = token_logprobs(params, *rows, config, temperature)
-        if config.separate_critic:
-            values = critic_values(critic_params, *rows, config)
-        ref_logprobs = (token_logprobs(ref_params, *rows, config, temperature)[0] if config.uses_reference
+        old_logprobs, entropy, values = token_logprobs(params, *rows, forward, temperature, rl.shared_value_head)
+        if rl.separate_critic:
+            values = critic_values(critic_params, *rows, forward, rl.critic_model)
+        ref_logprobs = (token_logprobs(ref_params, *rows, forward, temperature)[0] if rl.uses_reference
                         else old_logprobs)
         return old_logprobs, entropy, values, ref_logprobs
 
     # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
-    order = _length_order(batch, parts) if config.length_buckets > 1 and parts > 1 else None
+    order = _length_order(batch, parts) if batching.length_buckets > 1 and parts > 1 else None
     rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
-    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], config.length_buckets), per_position=True)
+    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], batching.length_buckets), per_position=True)
     all_params = (params, ref_params, critic_params)
     scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), _split(rows, parts))
     scored = _merge(scored)
@@ -305,24 +367,22 @@ def prepare(
         scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
     old_logprobs, entropy, values, ref_logprobs = scored
     rewards = batch.token_rewards
-    if config.kl_in_reward:
-        rewards, _ = apply_kl_penalty(
-            rewards, old_logprobs, ref_logprobs, mask, kl_coef=config.kl_coef, estimator=config.kl_estimator
-        )
+    if rl.kl_in_reward:
+        rewards, _ = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, mask, kl_coef=rl.kl_coef, estimator=rl.kl_estimator)
     advantages, returns = compute_advantages(
-        config.advantage,
+        rl.advantage,
         token_rewards=rewards,
         loss_mask=mask,
-        values=values if config.uses_critic else None,
+        values=values if rl.uses_critic else None,
         group_ids=batch.group_ids,
-        **config.estimator_kwargs(),
+        **dict(rl.advantage_hparams),
     )
     # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
     is_weights, is_metrics = importance_weights(
-        old_logprobs, batch.old_logprobs, mask, level="token" if config.is_correction == "none" else config.is_correction,
-        cap=config.is_cap, mode="drop" if config.decoupled_ppo else "truncate",
+        old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
+        cap=rl.is_cap, mode="drop" if rl.decoupled_ppo else "truncate",
     )
-    if not config.corrects_off_policy:
+    if not rl.corrects_off_policy:
         is_weights = jnp.ones_like(is_weights)
     metrics = {
         # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
@@ -349,38 +409,36 @@ def prepare(
 
 
 def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """PPO clipped surrogate (or GSPO's) + KL to the reference - entropy bonus + clipped value loss."""
-    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config, config.temperature)
+    """The policy loss (`rl.losses.POLICY_LOSSES`) + KL to the reference - entropy bonus + clipped value loss."""
+    rl = config.rl
+    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config.forward, rl.temperature,
+                                               rl.shared_value_head)
     mask = batch.loss_mask
-    agg = dict(agg_mode=config.agg_mode, norm_length=config.loss_norm_length)
-    pg_loss, metrics = ppo_policy_loss(
+    agg = dict(agg_mode=config.batching.agg_mode, norm_length=config.batching.loss_norm_length)
+    pg_loss, metrics = rl.loss.fn(
         logprobs, batch.old_logprobs, batch.advantages, mask, **agg,
-        clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
-        dual_clip_c=config.dual_clip_c, ratio_level=POLICY_LOSSES[config.policy_loss],
-        token_weights=batch.is_weights if config.corrects_off_policy else None,
+        token_weights=batch.is_weights if rl.corrects_off_policy else None, **dict(rl.loss_hparams),
     )
-    entropy_loss = aggregate_loss(entropy, mask, config.agg_mode, config.loss_norm_length)
-    loss = pg_loss - config.entropy_coef * entropy_loss
+    entropy_loss = aggregate_loss(entropy, mask, **agg)
+    loss = pg_loss - rl.entropy_coef * entropy_loss
     metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss}
-    if config.uses_reference and not config.kl_in_reward:
-        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=config.kl_estimator, **agg)
-        loss = loss + config.kl_coef * kl
+    if rl.uses_reference and not rl.kl_in_reward:
+        kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=rl.kl_estimator, **agg)
+        loss = loss + rl.kl_coef * kl
         metrics["kl"] = kl
-    if config.shared_value_head:
-        v_loss, v_metrics = value_loss(
-            values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=config.clip_eps_value,
-        )
-        loss = loss + config.vf_coef * v_loss
+    if rl.shared_value_head:
+        v_loss, v_metrics = value_loss(values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=rl.clip_eps_value)
+        loss = loss + rl.vf_coef * v_loss
         metrics = {**metrics, **v_metrics, "value_loss": v_loss}
     return loss, {**metrics, "loss": loss}
 
 
 def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """The separate critic's clipped value loss (its own optimizer: no `vf_coef`)."""
-    values = critic_values(critic_params, batch.tokens, batch.positions, config)
+    values = critic_values(critic_params, batch.tokens, batch.positions, config.forward, config.rl.critic_model)
     loss, metrics = value_loss(
-        values, batch.old_values, batch.returns, batch.loss_mask, agg_mode=config.agg_mode,
-        norm_length=config.loss_norm_length, clip_eps_value=config.clip_eps_value,
+        values, batch.old_values, batch.returns, batch.loss_mask, agg_mode=config.batching.agg_mode,
+        norm_length=config.batching.loss_norm_length, clip_eps_value=config.rl.clip_eps_value,
     )
     return loss, {**metrics, "value_loss": loss, "loss": loss}
 
@@ -388,9 +446,65 @@ def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tup
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
     model's own distribution (temperature 1)."""
-    logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config)
-    loss = aggregate_loss(-logprobs, batch.loss_mask, config.agg_mode, config.loss_norm_length)
+    logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config.forward)
+    loss = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
     return loss, {"loss": loss, "nll": loss}
+
+
+@flax.struct.dataclass
+class DPOBatch:
+    """Preference pairs: row i of `chosen` and of `rejected` are pair i (`train/dpo_pairs.py`)."""
+
+    chosen: TokenBatch  # [pairs, seq]
+    rejected: TokenBatch  # [pairs, seq], the same shape
+    chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
+    rejected_ref_logprobs: jax.Array  # [pairs, seq]
+
+    # What the micro-batched update reads of a batch, per pair: the tokens a pair trains (the
+    # chosen row's, where both rows have one: `rl.dpo.dpo_loss`'s valid pairs) and its length.
+    @property
+    def loss_mask(self) -> jax.Array:
+        valid = jnp.any(self.chosen.loss_mask > 0, axis=-1) & jnp.any(self.rejected.loss_mask > 0, axis=-1)
+        return self.chosen.loss_mask * valid[..., None]
+
+    @property
+    def positions(self) -> jax.Array:
+        return jnp.maximum(self.chosen.positions, self.rejected.positions)
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.chosen.tokens
+
+
+def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward) -> tuple[jax.Array, jax.Array]:
+    """Log-probs of every token of the chosen and rejected rows, each [pairs, seq].
+
+    One forward over the rows of both (`[2 * pairs, seq]`): half the program of two forwards, so
+    the update compiles in about half the time.
+    """
+    tokens = jnp.concatenate([chosen.tokens, rejected.tokens])  # [2 * pairs, seq]
+    positions = jnp.concatenate([chosen.positions, rejected.positions])
+    logprobs = token_logprobs(params, tokens, positions, forward)[0]
+    return logprobs[: chosen.tokens.shape[0]], logprobs[chosen.tokens.shape[0] :]
+
+
+def dpo_reference(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
+    """The frozen reference's log-probs of the chosen and rejected rows, each [pairs, seq], one
+    micro-batch (of the update's size) at a time, without gradient."""
+    parts = config.batching.num_microbatches
+    check_microbatches(chosen.tokens.shape[0], _one_minibatch(config))
+    scored = jax.lax.map(lambda pair: pair_logprobs(ref_params, *pair, config.forward), _split((chosen, rejected), parts))
+    return jax.lax.stop_gradient(_merge(scored))
+
+
+def dpo_objective(params: Any, batch: DPOBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """The DPO loss of `rl/dpo.py` under `params` (mean over valid pairs), and its metrics."""
+    chosen_logprobs, rejected_logprobs = pair_logprobs(params, batch.chosen, batch.rejected, config.forward)
+    loss, metrics = dpo_loss(
+        chosen_logprobs, batch.chosen_ref_logprobs, batch.chosen.loss_mask,
+        rejected_logprobs, batch.rejected_ref_logprobs, batch.rejected.loss_mask, beta=config.dpo.beta,
+    )
+    return loss, {**metrics, "loss": loss}
 
 
 def _share(loss_mask: jax.Array, agg_mode: str) -> jax.Array:
@@ -477,11 +591,12 @@ def check_microbatches(rows: int, config: UpdateConfig) -> None:
     """A clear error unless a `rows`-row batch cuts into `num_minibatches x num_microbatches` parts
     that each split evenly over the mesh's batch shards (else a part is replicated and recomputed
     on every device)."""
-    mini, micro = config.num_minibatches, config.num_microbatches
+    mini, micro = config.batching.num_minibatches, config.batching.num_microbatches
     if rows % (mini * micro):
         raise ValueError(f"batch of {rows} rows is not divisible into {mini} mini-batches x {micro} micro-batches")
     per_mini = rows // mini
-    mesh = None if config.activation_sharding is None else config.activation_sharding.mesh
+    activations = config.forward.activation_sharding
+    mesh = None if activations is None else activations.mesh
     shards = 1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES)
     if (per_mini // micro) % shards:
         fix = (
@@ -496,26 +611,29 @@ def check_microbatches(rows: int, config: UpdateConfig) -> None:
 
 
 def accumulated_update(
-    state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig
+    state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig, agg_mode: str | None = None
 ) -> tuple[TrainState, Metrics]:
     """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
     (grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
     trains no token is not run). Gradients are of `state.params` only (tuned: `state.frozen` is
-    merged in for the forward pass and gets none).
+    merged in for the forward pass and gets none). Micro-batches weigh by their share of the
+    batch's loss tokens or rows, as `agg_mode` (default: the batching's) sums the loss.
 
     The accumulator is float32 whatever the parameters' dtype (bfloat16 sums of many small
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
     """
-    if config.length_buckets > 1 and config.num_microbatches > 1:
-        order = _length_order(batch, config.num_microbatches)
+    batching = config.batching
+    if batching.length_buckets > 1 and batching.num_microbatches > 1:
+        order = _length_order(batch, batching.num_microbatches)
         batch = jax.tree.map(lambda x: x[order], batch)
-    micro = _split(batch, config.num_microbatches)
-    weights = _share(micro.loss_mask, config.agg_mode)
+    micro = _split(batch, batching.num_microbatches)
+    weights = _share(micro.loss_mask, agg_mode or batching.agg_mode)
+
     def trainable_loss(params, micro_batch):
         return loss_fn(tuning.combine(params, state.frozen) if state.frozen else params, micro_batch, config=config)
 
     grad_fn = _at_length(
-        jax.value_and_grad(trainable_loss, has_aux=True), length_buckets(batch.tokens.shape[1], config.length_buckets),
+        jax.value_and_grad(trainable_loss, has_aux=True), length_buckets(batch.tokens.shape[1], batching.length_buckets),
     )
 
     def micro_step(grads, inputs):
@@ -548,28 +666,40 @@ def critic_update(critic_state: TrainState, batch: RLBatch, config: UpdateConfig
 
 
 def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: UpdateConfig) -> tuple[TrainState, Metrics]:
-    rows = batch.tokens.shape[0]
+    rows, batching = batch.tokens.shape[0], config.batching
     check_microbatches(rows, config)
 
     def epoch(state, _):
         rng, shuffle_rng = jax.random.split(state.rng)
         permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, rows)], batch)
-        minibatches = _split(permuted, config.num_minibatches)
+        minibatches = _split(permuted, batching.num_minibatches)
         return jax.lax.scan(
             lambda s, mb: accumulated_update(s, mb, loss_fn, config), state.replace(rng=rng), minibatches
         )
 
-    state, metrics = jax.lax.scan(epoch, state, None, length=config.ppo_epochs)
+    state, metrics = jax.lax.scan(epoch, state, None, length=batching.ppo_epochs)
     metrics = jax.tree.map(jnp.mean, metrics)
     for key in ("skipped_update", "empty_update"):  # counts over the step's updates, not means
-        metrics[key] = metrics[key] * config.ppo_epochs * config.num_minibatches
+        metrics[key] = metrics[key] * batching.updates_per_step
     return state, metrics
+
+
+def _one_minibatch(config: UpdateConfig) -> UpdateConfig:
+    return dataclasses.replace(config, batching=dataclasses.replace(config.batching, num_minibatches=1))
 
 
 def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     """One behaviour-cloning update (the batch is one mini-batch), accumulated over `num_microbatches`."""
-    check_microbatches(batch.tokens.shape[0], dataclasses.replace(config, num_minibatches=1))
+    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
     return accumulated_update(state, batch, sft_loss, config)
+
+
+def dpo_update(state: TrainState, batch: DPOBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
+    """One DPO update (the batch is one mini-batch), accumulated over `num_microbatches` like
+    every other update; micro-batches weigh by their share of the valid pairs (the loss is a mean
+    over pairs), so accumulation gives the whole batch's gradient."""
+    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
+    return accumulated_update(state, batch, dpo_objective, config, agg_mode="seq-mean-token-mean")
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
@@ -601,18 +731,20 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_
 
 @dataclasses.dataclass(frozen=True)
 class StepFns:
-    """The jitted steps of one `UpdateConfig` and placement; build once, call every step."""
+    """The jitted steps of one `UpdateConfig` and placement; build once, call every step. The RL
+    steps exist when the config has an RL objective; `critic_update` with a separate critic."""
 
-    prepare: Callable[..., tuple[RLBatch, Metrics]]  # (params, ref_params, batch[, critic_params])
-    rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]]  # donates the state
     sft_update: Callable[[TrainState, TokenBatch], tuple[TrainState, Metrics]]  # donates the state
     row_shards: int  # batches need a multiple of this many rows (pad with `make_token_batch(batch_size=)`)
+    prepare: Callable[..., tuple[RLBatch, Metrics]] | None = None  # (params, ref_params, batch[, critic_params])
+    rl_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None  # donates the state
+    critic_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None
+    dpo_reference: Callable[..., tuple[jax.Array, jax.Array]] | None = None  # (ref_params, chosen, rejected)
+    dpo_update: Callable[[TrainState, DPOBatch], tuple[TrainState, Metrics]] | None = None  # donates the state
 
     def padded_rows(self, rows: int) -> int:
         """The smallest row count >= `rows` that splits evenly over the batch axes."""
         return -(-rows // self.row_shards) * self.row_shards
-
-    critic_update: Callable[[TrainState, RLBatch], tuple[TrainState, Metrics]] | None = None  # separate critic only
 
 
 def make_step_fns(
@@ -621,7 +753,8 @@ def make_step_fns(
     state_shardings: TrainState | None = None,
     critic_shardings: TrainState | None = None,
 ) -> StepFns:
-    """`prepare`, `rl_update`, `sft_update` (and, with a separate critic, `critic_update`) jitted.
+    """`sft_update`; with an RL objective `prepare` and `rl_update` (and, with a separate critic,
+    `critic_update`); with DPO's, `dpo_reference` and `dpo_update`: all jitted.
 
     Without a mesh: plain `jax.jit` (one device). With one: explicit `in_shardings` and
     `out_shardings` — the state as `state_shardings` (`train_state_shardings(state, mesh)`; pass
@@ -638,7 +771,7 @@ def make_step_fns(
         if state_shardings is None:
             raise ValueError("make_step_fns with a mesh needs state_shardings, e.g. train_state_shardings(state, mesh)")
         critic = critic_shardings
-        config = dataclasses.replace(config, activation_sharding=batch_sharding(mesh))
+        config = dataclasses.replace(config, forward=dataclasses.replace(config.forward, activation_sharding=batch_sharding(mesh)))
         params, state = state_shardings.policy_params, state_shardings
         rows, replicated = batch_sharding(mesh), NamedSharding(mesh, P())
 
@@ -646,13 +779,22 @@ def make_step_fns(
         shardings = {} if mesh is None else dict(in_shardings=ins, out_shardings=outs)
         return jax.jit(functools.partial(fn, config=config), **shardings, **kw)
 
-    prepare_ins = (params, params, rows) + ((None if critic is None else critic.params,) if config.separate_critic else ())
-    return StepFns(
-        prepare=jit(prepare, prepare_ins, (rows, replicated)),
-        rl_update=jit(rl_update, (state, rows), (state, replicated), donate_argnums=0),
+    fns = StepFns(
         sft_update=jit(sft_update, (state, rows), (state, replicated), donate_argnums=0),
         row_shards=1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES),
-        critic_update=(
-            jit(critic_update, (critic, rows), (critic, replicated), donate_argnums=0) if config.separate_critic else None
-        ),
+    )
+    if config.dpo is not None:
+        return dataclasses.replace(
+            fns, dpo_reference=jit(dpo_reference, (params, rows, rows), (rows, rows)),
+            dpo_update=jit(dpo_update, (state, rows), (state, replicated), donate_argnums=0),
+        )
+    if config.rl is None:
+        return fns
+    separate = config.rl.separate_critic
+    prepare_ins = (params, params, rows) + ((None if critic is None else critic.params,) if separate else ())
+    return dataclasses.replace(
+        fns,
+        prepare=jit(prepare, prepare_ins, (rows, replicated)),
+        rl_update=jit(rl_update, (state, rows), (state, replicated), donate_argnums=0),
+        critic_update=jit(critic_update, (critic, rows), (critic, replicated), donate_argnums=0) if separate else None,
     )

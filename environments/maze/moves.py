@@ -14,18 +14,22 @@ from the same square: `local_forced` where the walls and the last move leave at 
 goal's side decides; `goal_named` is the share of turns whose thought names that side as the
 `local_thought` oracle does (`layouts.goal_direction`). Rates are over all policy turns of the
 file(s); RL trajectory files give one line per policy version (RL step), evaluation files one line.
+A server-side tool: it reads the trajectory files as JSON lines and decodes with the tokenizer
+folder's `tokenizer.json`, importing nothing of the library (architecture rule on servers).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import json
+import pathlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
+import tokenizers
 from absl import app, flags
 
-from agentgym_jax.models.tokenizer import load_tokenizer
-from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
 from environments.maze import layouts
 from environments.maze.env import MazeEnv
 
@@ -93,16 +97,29 @@ def replay(env: MazeEnv, responses: Sequence[str]) -> MoveCounts:
     return counts
 
 
-def count_moves(trajectories: Iterable[Trajectory], decode: Callable[[list[int]], str]) -> dict[int, MoveCounts]:
+def read_records(path: str | pathlib.Path) -> Iterator[dict[str, Any]]:
+    """The trajectory records of a JSONL file (the library's `Trajectory.to_json` lines)."""
+    with open(path) as f:
+        yield from (json.loads(line) for line in f if line.strip())
+
+
+def decoder(tokenizer_dir: str | pathlib.Path) -> Callable[[list[int]], str]:
+    """Token ids -> text with the folder's `tokenizer.json`, special tokens left out (as the policy's
+    Hugging Face tokenizer decodes them)."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(pathlib.Path(tokenizer_dir) / "tokenizer.json"))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def count_moves(records: Iterable[Mapping[str, Any]], decode: Callable[[list[int]], str]) -> dict[int, MoveCounts]:
     """Policy version -> the summed counts of its Maze episodes (other environments are skipped)."""
     by_version: dict[int, MoveCounts] = collections.defaultdict(MoveCounts)
-    for trajectory in trajectories:
-        if trajectory.env != "maze":
+    for record in records:
+        if record["env"] != "maze":
             continue
-        responses = [decode(trajectory.token_ids[start:end]) for start, end in trajectory.turn_spans]
+        responses = [decode(record["token_ids"][start:end]) for start, end in record["turn_spans"]]
         env = MazeEnv()
-        env.reset(trajectory.task_id)
-        by_version[trajectory.policy_version].add(replay(env, responses))
+        env.reset(record["task_id"])
+        by_version[record["policy_version"]].add(replay(env, responses))
     return dict(sorted(by_version.items()))
 
 
@@ -139,10 +156,9 @@ def main(argv: Sequence[str]) -> None:
         return
     if len(argv) < 2 or not _TOKENIZER.value:
         raise app.UsageError("give --tokenizer and one or more trajectories.jsonl files (or --oracle)")
-    tokenizer = load_tokenizer(_TOKENIZER.value)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = decoder(_TOKENIZER.value)
     for path in argv[1:]:
-        for version, counts in count_moves(read_jsonl(path), decode).items():
+        for version, counts in count_moves(read_records(path), decode).items():
             print(_line(f"{path} policy_version={version}", counts))
 
 
