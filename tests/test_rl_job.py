@@ -61,8 +61,11 @@ def _trajectories_by_step(workdir: pathlib.Path) -> dict[int, list[tuple]]:
     return {step: sorted(rows.items()) for step, rows in by_step.items()}
 
 
+# PPO with a separate critic resumes the most state (policy, critic, both optimizers); the default
+# estimator's resume is the same code with one part less (and the two-process test resumes
+# REINFORCE++), so it is not run a second time here.
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", [{}, SEPARATE_CRITIC], ids=["grpo", "gae-separate-critic"])
+@pytest.mark.parametrize("algo", [SEPARATE_CRITIC], ids=["gae-separate-critic"])
 def test_sigkilled_run_resumes_exactly(tmp_path, algo):
     straight = _run(tmp_path / "straight", algo)
     assert straight.returncode == 0, straight.stderr[-3000:]

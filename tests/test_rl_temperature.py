@@ -40,7 +40,7 @@ def rollout_batch(framing, model, maze_url, task_info, dtype):  # noqa: F811
 
 
 def gap(model, batch, temperature):
-    config = make_update(model[0], temperature=temperature)
+    config = make_update(model[0], temperature=temperature, ppo_epochs=2)  # two updates: `prepare` scores the batch
     _, metrics = jax.jit(steps.prepare, static_argnames="config")(model[1], model[1], batch, config=config)
     return float(metrics["logprob_gap"])
 

@@ -374,3 +374,38 @@ def test_state_shardings_mirror_the_params_in_the_optimizer_state():
 def test_a_mesh_without_state_shardings_is_a_clear_error():
     with pytest.raises(ValueError, match="needs state_shardings"):
         steps.make_step_fns(EPOCHS, make_mesh(1, 2, 4))
+
+
+ON_POLICY = make_update(MODEL, num_microbatches=2)  # one update, no reference, critic or correction
+
+
+def test_a_single_on_policy_update_skips_scoring_and_steps_along_the_policy_gradient():
+    """One update and nothing else reading the trainer's scores: `prepare` runs no model (no matmul
+    in its program) and the update is one optimizer step along the policy gradient at ratio 1,
+    d/dθ -mean(A · log π_θ) over policy tokens (token-mean), computed here by hand with jax.grad."""
+    assert not ON_POLICY.scores_rollouts and EPOCHS.scores_rollouts
+    batch, state = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 0]), _state()
+
+    def matmuls(config):
+        jaxpr = jax.make_jaxpr(functools.partial(steps.prepare, config=config))(state.params, state.params, batch)
+        return str(jaxpr).count("dot_general")
+
+    assert matmuls(ON_POLICY) == 0 < matmuls(replace(ON_POLICY, ppo_epochs=2))
+
+    fns = step_fns(ON_POLICY)
+    rl_batch, _ = fns.prepare(state.params, state.params, batch)
+    mask = np.asarray(batch.loss_mask, np.float64)
+
+    def surrogate(params):
+        logp = steps.token_logprobs(params, batch.tokens, batch.positions, ON_POLICY.forward)[0]
+        return -(rl_batch.advantages * logp * batch.loss_mask).sum() / batch.loss_mask.sum()
+
+    grads = jax.grad(surrogate)(state.params)
+    updates, _ = TX.update(grads, TX.init(state.params), state.params)
+    expected = jax.tree.map(np.asarray, optax.apply_updates(state.params, updates))
+    logp = np.asarray(steps.token_logprobs(state.params, batch.tokens, batch.positions, ON_POLICY.forward)[0])
+    after, metrics = fns.rl_update(state, rl_batch)  # donates `state`
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), after.params, expected)
+    # The sampler-vs-trainer gap comes from the update's own log-probs (the batch's are zeros),
+    # averaged over the two micro-batches rather than over all tokens at once.
+    np.testing.assert_allclose(metrics["logprob_gap"], (np.abs(logp) * mask).sum() / mask.sum(), rtol=0.05)

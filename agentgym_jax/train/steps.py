@@ -235,6 +235,15 @@ class UpdateConfig:
         if self.rl is not None and self.dpo is not None:
             raise ValueError("an update has one objective besides behaviour cloning: rl or dpo, not both")
 
+    @property
+    def scores_rollouts(self) -> bool:
+        """Whether `prepare` runs the trainer over the batch. It need not when the batch makes one
+        optimizer update and nothing else reads the scoring pass (no reference, value model or
+        off-policy correction): the update's own log-probs, gradient stopped, are then the old ones
+        (ratio 1, the same gradient), which saves a forward pass over every rollout."""
+        rl, batching = self.rl, self.batching
+        return (batching.updates_per_step > 1 or rl.uses_reference or rl.uses_critic or rl.corrects_off_policy)
+
 
 @flax.struct.dataclass
 class RLBatch:
@@ -356,6 +365,15 @@ def prepare(
                         else old_logprobs)
         return old_logprobs, entropy, values, ref_logprobs
 
+    if not config.scores_rollouts:  # `rl_loss` takes the update's own log-probs as the old ones
+        rewards = batch.token_rewards
+        advantages, returns = compute_advantages(rl.advantage, token_rewards=rewards, loss_mask=mask, values=None,
+                                                 group_ids=batch.group_ids, **dict(rl.advantage_hparams))
+        sampler = batch.old_logprobs
+        return RLBatch(tokens=batch.tokens, positions=batch.positions, loss_mask=mask, old_logprobs=sampler,
+                       ref_logprobs=sampler, old_values=jnp.zeros_like(sampler), advantages=advantages,
+                       returns=returns, is_weights=jnp.ones_like(sampler)), _advantage_metrics(advantages, mask)
+
     # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
     order = _length_order(batch, parts) if batching.length_buckets > 1 and parts > 1 else None
     rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
@@ -385,13 +403,9 @@ def prepare(
     if not rl.corrects_off_policy:
         is_weights = jnp.ones_like(is_weights)
     metrics = {
-        # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
-        "logprob_gap": masked_mean(jnp.abs(batch.old_logprobs - old_logprobs), mask),
+        **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
         **is_metrics,
-        "entropy_at_rollout": masked_mean(entropy, mask),
-        "advantage_mean": masked_mean(advantages, mask),
-        "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
-        "policy_tokens": masked_count(mask),
+        **_advantage_metrics(advantages, mask),
         "score_length_fraction": jnp.mean(run_lengths) / batch.tokens.shape[1],  # of the padded positions, scored
     }
     rl_batch = RLBatch(
@@ -408,17 +422,36 @@ def prepare(
     return rl_batch, metrics
 
 
+def _rollout_metrics(trainer_logprobs: jax.Array, sampler_logprobs: jax.Array, entropy: jax.Array,
+                     mask: jax.Array) -> Metrics:
+    # Same tokens, two code paths: a gap here means the sampler and trainer disagree.
+    return {"logprob_gap": masked_mean(jnp.abs(sampler_logprobs - trainer_logprobs), mask),
+            "entropy_at_rollout": masked_mean(entropy, mask)}
+
+
+def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
+    return {"advantage_mean": masked_mean(advantages, mask), "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
+            "policy_tokens": masked_count(mask)}
+
+
 def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
-    """The policy loss (`rl.losses.POLICY_LOSSES`) + KL to the reference - entropy bonus + clipped value loss."""
+    """The policy loss (`rl.losses.POLICY_LOSSES`) + KL to the reference - entropy bonus + clipped value loss.
+    Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
+    sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl = config.rl
     logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config.forward, rl.temperature,
                                                rl.shared_value_head)
     mask = batch.loss_mask
+    old_logprobs, metrics = batch.old_logprobs, {}
+    if not config.scores_rollouts:
+        old_logprobs = jax.lax.stop_gradient(logprobs)
+        metrics = _rollout_metrics(old_logprobs, batch.old_logprobs, jax.lax.stop_gradient(entropy), mask)
     agg = dict(agg_mode=config.batching.agg_mode, norm_length=config.batching.loss_norm_length)
-    pg_loss, metrics = rl.loss.fn(
-        logprobs, batch.old_logprobs, batch.advantages, mask, **agg,
+    pg_loss, loss_metrics = rl.loss.fn(
+        logprobs, old_logprobs, batch.advantages, mask, **agg,
         token_weights=batch.is_weights if rl.corrects_off_policy else None, **dict(rl.loss_hparams),
     )
+    metrics = {**metrics, **loss_metrics}
     entropy_loss = aggregate_loss(entropy, mask, **agg)
     loss = pg_loss - rl.entropy_coef * entropy_loss
     metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss}
