@@ -107,12 +107,17 @@ class Transcript:
         self.add_policy_turn(self.framing.assistant_ids(content).ids)
 
     def observation_ids(self, observation: str) -> tuple[int, ...]:
-        """The exact ids `add_observation` would append (to check a budget before appending).
+        """The exact ids `add_observation` would append (to check a budget before appending)."""
+        return self.answer_ids([{"role": self.answer_role, "content": observation}])
+
+    def answer_ids(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+        """The exact ids of `messages` answering the last turn: one user or environment message,
+        or the results of its tool calls (`ChatFraming.continuation_of`).
 
         After a turn cut by a token limit (no end-of-turn id sampled) the end-of-turn ids come
         first, as template ids with loss_mask 0, so the conversation stays well-formed.
         """
-        ids = self.framing.continuation_ids(observation, role=self.answer_role).ids
+        ids = self.framing.continuation_of(messages).ids
         closed = not self.turn_spans or self.token_ids[-1] in self.framing.end_of_turn_ids
         return ids if closed else self.framing.end_of_turn_ids + ids
 
