@@ -2,7 +2,7 @@ r"""CPU recipes for the seed environments (and TextArena's Guess The Number): th
 warm start, GRPO and ScalingInter-RL with per-environment numbers (what each number is and why,
 beside it).
 
-    python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu, guess_the_number_cpu
+    python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu, guess_the_number_cpu, movie_cpu
     python -m agentgym_jax.launch --config=configs/cpu.py:maze          # the same
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.horizon_schedule.kind=fixed   # the baseline
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.env.reward_shaping=progress  # opt-in shaping
@@ -76,6 +76,18 @@ RECIPES = {
         #   more would leave RL little to show, like the quickstart's deliberately weak start
         eval_tasks=20,  # the game's whole test split
     ),
+    # AgentGym's Movie tool environment on ggplot2movies (docs/tools.md): one film's field takes
+    # three calls (search, details, finish), two films' comparison five. The policy writes
+    # AgentGym's `Action: <tool> with Action Input: {...}`; observations are the tools' JSON.
+    "movie": dict(
+        horizons=(3, 4, 5),
+        max_tokens_per_turn=40,  # 'Action: get_search_movie with Action Input: {"movie_name": "..."}' in a 1024-token BPE
+        max_response_length=1024,  # five calls and their JSON answers (a film's details: ~60 tokens)
+        action_format="{action}",  # the oracle writes whole calls
+        sft_tasks=240,  # every training task
+        sft_epochs=4,  # 60 updates of 16 demonstrations of ~1500 tokens (the instruction alone is ~1100)
+        steps=12,
+    ),
 }
 
 
@@ -99,6 +111,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.sft.num_tasks = recipe["sft_tasks"]
     config.sft.epochs = recipe["sft_epochs"]
     config.sft.oracle = recipe.get("sft_oracle", "")
+    config.rollout.action_format = recipe.get("action_format", config.rollout.action_format)
     config.sft.horizon = recipe["horizons"][-1]  # a demonstration longer than the final horizon shows what RL cannot do
     config.algo.dynamic_sampling = True
     # Episodes end anywhere from a few turns to the horizon: 4 micro-batches of like lengths, each
