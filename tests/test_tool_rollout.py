@@ -11,13 +11,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import ml_collections
 import pytest
 
+from agentgym_jax.aio import run_sync
 from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.job import play as job_play
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.envs.protocol.tool_calls import format_agentgym, parse_tool_call
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.transcript import prompt_messages
 from environments.registry import get_environment
@@ -117,6 +121,25 @@ def as_openai(reply: str) -> dict:
         call = parse_tool_call(visible)
         message.update(content="", tool_calls=[{"type": "function", "function": call.to_json()}])
     return message
+
+
+def test_oracle_demonstrations_are_framed_as_the_rollouts_are(qwen3, academia_url):
+    """SFT data and RL episodes of a function-calling job (`rollout.tool_calls`, the demonstrations
+    of `job/play.py`) are the same ids for the same calls."""
+    _, framing = qwen3
+    (played,), _, info = play(framing, academia_url, [oracle_calls(TASK)], [TASK])
+
+    async def oracle():
+        async with EnvPool(academia_url) as pool:
+            return await play_oracle_episodes(pool, [TASK], oracle="tool_call", action_format="{action}")
+
+    config = ml_collections.ConfigDict(dict(sft=dict(num_tasks=1), rollout=dict(tool_calls=True)))
+    (demo,) = job_play.demonstrations(config, framing, info, run_sync(oracle()))
+    assert demo.status is EpisodeStatus.SUCCESS
+    assert (demo.token_ids, demo.loss_mask, demo.turn_spans) == (played.token_ids, played.loss_mask, played.turn_spans)
+    config.rollout.tool_calls = False  # a text job's demonstrations: no tools in the prompt
+    (text_demo,) = job_play.demonstrations(config, framing, info, run_sync(oracle()))
+    assert len(text_demo.token_ids) < len(demo.token_ids) - 100
 
 
 def test_a_call_made_only_in_thought_is_not_sent(qwen3, academia_url):

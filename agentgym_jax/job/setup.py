@@ -411,7 +411,7 @@ def make_policy(
     if kind == "oracle" and not where:
         corpus = [info.instruction for info in infos.values()]
         framing = tokenizer_and_framing(config, workdir, corpus)
-        return OraclePolicy(framing, config.rollout.action_format), framing
+        return OraclePolicy(framing, config.rollout.action_format, config.rollout.get("tool_calls", False)), framing
     config, framing, model, params = load_policy(config, "'oracle', ")
     rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
     sampler = make_sampler(config, model, framing, rollout)
