@@ -21,6 +21,7 @@ from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.envs.protocol.tool_calls import format_agentgym, parse_tool_call
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.demonstrations import play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.transcript import prompt_messages
@@ -109,6 +110,13 @@ def test_a_tool_episode_is_token_exact_and_sends_the_calls(qwen3, academia_url):
         messages += [as_openai(replies[k]), {"role": "tool", "content": sent[0][k][1]}]
     assert "<tool_response>\nObservation: PaperNet is loaded." in trajectory.text
     assert sum(trajectory.loss_mask) == sum(end - start for start, end in trajectory.turn_spans)
+    # AgentGym's conversation format has no tool role: the results are human turns, and the tool
+    # list Qwen3's template writes into its system turn is that turn's text.
+    system, *turns = agentgym_format.export_trajectory(trajectory, framing)["conversations"]
+    assert system["from"] == "system" and system["value"].startswith("# Tools\n")
+    assert [t["from"] for t in turns] == ["human"] + ["gpt", "human"] * (len(replies) - 1) + ["gpt"]
+    assert [t["value"] for t in turns[1::2]] == replies
+    assert [t["value"] for t in turns[2::2]] == [observation for _, observation in sent[0][:-1]]
 
 
 def as_openai(reply: str) -> dict:
