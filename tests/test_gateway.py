@@ -226,3 +226,26 @@ def test_foreign_tool_calls_are_prompt_and_concurrent_conversations_are_answered
         answers = list(pool.map(lambda b: post(f"{base_url}/chat/completions", b), bodies))
     assert [s for s, _ in answers] == [200] * 4
     assert len({a["agentgym"]["conversation_id"] for _, a in answers}) == 4
+
+
+@pytest.mark.parametrize("text, names, content, calls, reasoning", [
+    ('I will look.\n<tool_call>\n{"name": "loadPaperNet", "arguments": {}}\n</tool_call>', {"loadPaperNet"},
+     "I will look.", [("loadPaperNet", {})], None),
+    ('<think>\nThe net first.\n</think>\n\n{"name": "paperNodeCheck", "parameters": {"node": "A"}}', {"paperNodeCheck"},
+     '{"name": "paperNodeCheck", "parameters": {"node": "A"}}', [("paperNodeCheck", {"node": "A"})], "The net first."),
+    ("Thought: done.\nfinish", {"loadPaperNet", "finish"}, "Thought: done.\nfinish", [("finish", {})], None),
+    ("Hello there.\nGoodbye", {"loadPaperNet"}, "Hello there.\nGoodbye", [], None),  # a last word is no call
+    ('<tool_call>\n{"name": "loadPaperNet", "arguments": {}}\n</tool_call>', set(), None, [], None),  # tool_choice none
+])
+def test_replies_become_openai_messages(text, names, content, calls, reasoning):
+    from agentgym_jax.gateway import openai_format as oa
+
+    message = oa.reply_message(text, names, 3, 1)
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    expected_content = content if calls or content is not None else text
+    assert got == calls and message["content"] == expected_content
+    assert message.get("reasoning_content") == reasoning
+    assert all(c["id"] == f"call_3_1_{i}" for i, c in enumerate(message.get("tool_calls", [])))
+    # Sent back as the openai package sends it, the message is recognised as the one answered.
+    echoed = {"role": "assistant", "content": message["content"], "tool_calls": message.get("tool_calls")}
+    assert oa.message_key(oa.normalize_message(echoed, 0)) == oa.message_key(oa.normalize_message(message, 0))

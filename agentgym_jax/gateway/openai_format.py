@@ -47,6 +47,7 @@ class ChatRequest:
     stream: bool
     conversation_id: str | None  # extension: the conversation this request continues
     logprobs: bool
+    call_tools: bool = True  # False for tool_choice "none": the tools stay in the prompt, no call is read
 
     @property
     def tools_key(self) -> str:
@@ -54,7 +55,8 @@ class ChatRequest:
 
     @property
     def tool_names(self) -> set[str]:
-        return {tool["function"]["name"] for tool in self.tools}
+        """The tools a reply may call (none with tool_choice "none")."""
+        return {tool["function"]["name"] for tool in self.tools} if self.call_tools else set()
 
 
 def read_request(body: Any, model: str, sampling: Mapping[str, float]) -> ChatRequest:
@@ -81,8 +83,6 @@ def read_request(body: Any, model: str, sampling: Mapping[str, float]) -> ChatRe
     tools = body.get("tools") or []
     if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
         raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
-    if body.get("tool_choice") == "none":
-        tools = []
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise GatewayError(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -90,7 +90,8 @@ def read_request(body: Any, model: str, sampling: Mapping[str, float]) -> ChatRe
     if conversation_id is not None and not isinstance(conversation_id, str):
         raise GatewayError(400, "conversation_id must be a string (the agentgym.conversation_id of an earlier answer)")
     return ChatRequest([normalize_message(m, i) for i, m in enumerate(messages)], tools, max_tokens,
-                       bool(body.get("stream")), conversation_id, bool(body.get("logprobs")))
+                       bool(body.get("stream")), conversation_id, bool(body.get("logprobs")),
+                       call_tools=body.get("tool_choice") != "none")
 
 
 def _is_function_tool(tool: Any) -> bool:
