@@ -65,12 +65,14 @@ def academia_url():
 
 @pytest.fixture(scope="module")
 def gateway(policy, tmp_path_factory):
-    """(base URL, out_dir) of a gateway process serving the policy with two sampler rows."""
+    """(base URL, out_dir) of a gateway process serving the policy with two sampler rows and at
+    most four requests in flight."""
     out_dir = tmp_path_factory.mktemp("gateway")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     cmd = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/gateway.py", f"--config.policy=hf:{policy[0]}",
            "--config.port=0", f"--config.auth_token={TOKEN}", f"--config.out_dir={out_dir}",
-           "--config.max_conversations=2", "--config.rollout.max_tokens_per_turn=12", "--config.rollout.max_cache_len=2048",
+           "--config.max_conversations=2", "--config.max_queue=4", "--config.rollout.max_tokens_per_turn=12",
+           "--config.rollout.max_cache_len=2048",
            "--config.rollout.decode_chunk=4"]
     process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, ready = [], threading.Event()
@@ -209,7 +211,7 @@ def test_a_conversation_continues_on_its_cache_and_streams(gateway, policy):
 def test_foreign_tool_calls_are_prompt_and_concurrent_conversations_are_answered(gateway, policy):
     """An assistant message the gateway did not write is framed as the template writes it (this
     ChatML template drops tool calls, so they become `<tool_call>` blocks); four requests at once
-    on two rows are all answered."""
+    on two rows are all answered, and of twelve at once those past four in flight get a 429."""
     base_url, _ = gateway
     tokenizer = load_tokenizer(policy[0])
     call = {"id": "c1", "type": "function", "function": {"name": "loadPaperNet", "arguments": "{}"}}
@@ -226,6 +228,13 @@ def test_foreign_tool_calls_are_prompt_and_concurrent_conversations_are_answered
         answers = list(pool.map(lambda b: post(f"{base_url}/chat/completions", b), bodies))
     assert [s for s, _ in answers] == [200] * 4
     assert len({a["agentgym"]["conversation_id"] for _, a in answers}) == 4
+    burst = [{**body, "max_tokens": 12} for body in bodies * 3]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda b: post(f"{base_url}/chat/completions", b), burst))
+    refused = [a for s, a in answers if s == 429]
+    assert refused and len(refused) <= 12 - 4 and all(s in (200, 429) for s, _ in answers)
+    assert refused[0]["error"]["type"] == "rate_limit_error"
+    assert post(f"{base_url}/chat/completions", bodies[0])[0] == 200
 
 
 @pytest.mark.parametrize("text, names, content, calls, reasoning", [
