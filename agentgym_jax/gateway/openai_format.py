@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentgym_jax.envs.protocol.tool_calls import ToolCall, ToolCallError, format_hermes, parse_tool_calls
-from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.chat import ChatFraming, FramingError
 from agentgym_jax.rollout.tool_use import THINK_END, visible_reply
 from agentgym_jax.sampling.sampler import StopReason
 
@@ -153,8 +153,11 @@ def framing_message(framing: ChatFraming, message: Mapping[str, Any]) -> dict[st
               "tool_calls": [{"type": "function", "function": c.to_json()} for c in calls]}
     if "reasoning_content" in message:
         openai["reasoning_content"] = message["reasoning_content"]
-    text = framing.render_assistant(openai)
-    if calls and not all(c.name in text for c in calls):
+    try:
+        text = framing.render_assistant(openai)
+    except FramingError:  # a template that fails on this message: its content, its calls as blocks
+        text = None
+    if text is None or (calls and not all(c.name in text for c in calls)):
         text = "\n".join([message["content"]] * bool(message["content"]) + [format_hermes(c) for c in calls])
     return {"role": "assistant", "content": text}
 

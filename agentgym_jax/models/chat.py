@@ -444,7 +444,10 @@ class ChatFraming:
         `tool_calls` (a template that ignores them writes the content alone)."""
         messages = [{"role": "user", "content": _sentinel(0)}, dict(message), {"role": "user", "content": _sentinel(2)}]
         messages[1]["content"] = message.get("content") or ""
-        text = self._render(messages, False)
+        try:
+            text = self._render(messages, False)
+        except jinja2.TemplateError as e:
+            raise FramingError(f"the chat template cannot render this assistant message: {e}") from None
         start = text.index(_sentinel(0)) + len(_sentinel(0)) + len(self.parts.user_suffix + self.parts.assistant_header)
         end = text.rindex(self.parts.end_of_turn + self.parts.after_end_of_turn + self.parts.user_header + _sentinel(2))
         return text[start:end]
