@@ -76,16 +76,19 @@ RECIPES = {
         #   more would leave RL little to show, like the quickstart's deliberately weak start
         eval_tasks=20,  # the game's whole test split
     ),
-    # AgentGym's Movie tool environment on ggplot2movies (docs/tools.md): one film's field takes
-    # three calls (search, details, finish), two films' comparison five. The policy writes
-    # AgentGym's `Action: <tool> with Action Input: {...}`; observations are the tools' JSON.
+    # AgentGym's Movie tool environment on ggplot2movies (docs/tools.md), its questions about one
+    # film's field (rating, length, budget, MPAA rating, genres): three calls each (search the
+    # title, details of the id found, finish with the field), every one a copy from the goal or
+    # the last result. The policy writes AgentGym's `Action: <tool> with Action Input: {...}`.
     "movie": dict(
-        horizons=(3, 4, 5),
+        tasks="templates=movie_rating,movie_length,movie_budget,movie_mpaa,movie_genres",  # 117 train, 33 test
+        horizons=(3, 4, 5),  # the three calls, then room for a retried one
         max_tokens_per_turn=40,  # 'Action: get_search_movie with Action Input: {"movie_name": "..."}' in a 1024-token BPE
         max_response_length=1024,  # five calls and their JSON answers (a film's details: ~60 tokens)
         action_format="{action}",  # the oracle writes whole calls
-        sft_tasks=240,  # every training task
-        sft_epochs=4,  # 60 updates of 16 demonstrations of ~1500 tokens (the instruction alone is ~1100)
+        sft_tasks=117,  # every training task of these kinds
+        sft_epochs=20,  # ~150 updates of 16: at 60 updates on every kind of question (4 epochs of all 240
+        #   training tasks) the policy still wrote broken calls and solved nothing (docs/experiments.md)
         steps=12,
     ),
 }
