@@ -8,7 +8,9 @@ Episodes are played round-robin, one turn each in turn, so that more conversatio
 than the gateway has sampler rows. Even episodes pass the gateway's `conversation_id` back; odd
 ones only send the conversation's messages back. The reward is the environment's score less a
 cost per token of the conversation. Prints one JSON line per episode: its conversation id,
-reward and, per turn, what the answer's `agentgym` field reported.
+reward and, per turn, what the answer's `agentgym` field reported. The system prompt is the
+agent's own: the tools go in `tools=`, so the environment's instruction (AgentGym's text format
+for the same calls) is not sent.
 """
 
 import argparse
@@ -16,6 +18,8 @@ import json
 import urllib.request
 
 import openai
+
+SYSTEM = "Answer the question with the tools you are given; call finish with the answer."
 
 
 def call(url: str, body: dict | None = None, token: str = "") -> dict:
@@ -27,12 +31,12 @@ def call(url: str, body: dict | None = None, token: str = "") -> dict:
 
 
 class Episode:
-    def __init__(self, args, instruction: str, number: int):
+    def __init__(self, args, number: int):
         self.args, self.number = args, number
         self.session = call(f"{args.env_url}/create", {})["id"]
         reset = call(f"{args.env_url}/reset", {"id": self.session, "data_idx": args.task})
         self.tools = reset["tools"]
-        self.messages = [{"role": "system", "content": instruction}, {"role": "user", "content": reset["observation"]}]
+        self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": reset["observation"]}]
         self.conversation_id, self.turns, self.score, self.done, self.tokens = None, [], 0.0, False, 0
 
     def turn(self, client: openai.OpenAI) -> None:
@@ -75,8 +79,7 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
-    instruction = call(f"{args.env_url}/tasks")["instruction"]
-    episodes = [Episode(args, instruction, k) for k in range(args.episodes)]
+    episodes = [Episode(args, k) for k in range(args.episodes)]
     while not all(e.done for e in episodes):
         for episode in episodes:
             if not episode.done:
