@@ -149,11 +149,11 @@ def test_an_openai_agent_plays_through_the_gateway_and_its_trajectories_train_a_
     fns = steps.make_step_fns(make_update(model, advantage="grpo"))
     state = TrainState.create(params, optax.sgd(0.1), jax.random.key(0))
     rl_batch, metrics = fns.prepare(state.params, state.params, batch)
-    assert float(metrics["logprob_gap"]) < 1e-5  # the sampler's log-probs are the trainer's: rebuilt rows too
     assert float(metrics["policy_tokens"]) == mask.sum()
     assert float(metrics["advantage_abs_mean"]) > 0
     before = jax.tree.map(np.array, state.params)  # the update donates the state
-    after, update = fns.rl_update(state, rl_batch)
+    after, update = fns.rl_update(state, rl_batch)  # one on-policy update: its own pass scores the rollouts
+    assert float(update["logprob_gap"]) < 1e-5  # the sampler's log-probs are the trainer's: rebuilt rows too
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), after.params, before)
     assert max(jax.tree.leaves(moved)) > 0 and np.isfinite(float(update["loss"]))
 
