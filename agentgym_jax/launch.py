@@ -28,6 +28,7 @@ MODES: dict[str, str] = {
     "sft": "agentgym_jax.train.sft_job",
     "dpo": "agentgym_jax.train.dpo_job",
     "agentevol": "agentgym_jax.train.agentevol",
+    "gateway": "agentgym_jax.gateway.server",
 }
 
 

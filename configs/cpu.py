@@ -2,7 +2,7 @@ r"""CPU recipes for the seed environments (and TextArena's Guess The Number): th
 warm start, GRPO and ScalingInter-RL with per-environment numbers (what each number is and why,
 beside it).
 
-    python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu, guess_the_number_cpu
+    python -m agentgym_jax.launch --config=configs/maze_cpu.py          # or textcraft_cpu, babyai_cpu, wordle_cpu, guess_the_number_cpu, movie_cpu
     python -m agentgym_jax.launch --config=configs/cpu.py:maze          # the same
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.horizon_schedule.kind=fixed   # the baseline
     python -m agentgym_jax.launch --config=configs/maze_cpu.py --config.env.reward_shaping=progress  # opt-in shaping
@@ -76,6 +76,21 @@ RECIPES = {
         #   more would leave RL little to show, like the quickstart's deliberately weak start
         eval_tasks=20,  # the game's whole test split
     ),
+    # AgentGym's Movie tool environment on ggplot2movies (docs/tools.md), its questions about one
+    # film's field (rating, length, budget, MPAA rating, genres): three calls each (search the
+    # title, details of the id found, finish with the field), every one a copy from the goal or
+    # the last result. The policy writes AgentGym's `Action: <tool> with Action Input: {...}`.
+    "movie": dict(
+        tasks="templates=movie_rating,movie_length,movie_budget,movie_mpaa,movie_genres",  # 117 train, 33 test
+        horizons=(3, 4, 5),  # the three calls, then room for a retried one
+        max_tokens_per_turn=40,  # 'Action: get_search_movie with Action Input: {"movie_name": "..."}' in a 1024-token BPE
+        max_response_length=1024,  # five calls and their JSON answers (a film's details: ~60 tokens)
+        action_format="{action}",  # the oracle writes whole calls
+        sft_tasks=117,  # every training task of these kinds
+        sft_epochs=14,  # 112 updates of 16 (24 minutes of the run on a shared 2-core machine); at 60 updates on
+        #   every kind of question (4 epochs of all 240 training tasks) the policy wrote broken calls
+        steps=9,  # three per horizon; with 14 epochs the run fits ~35 minutes (docs/experiments.md)
+    ),
 }
 
 
@@ -99,6 +114,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.sft.num_tasks = recipe["sft_tasks"]
     config.sft.epochs = recipe["sft_epochs"]
     config.sft.oracle = recipe.get("sft_oracle", "")
+    config.rollout.action_format = recipe.get("action_format", config.rollout.action_format)
     config.sft.horizon = recipe["horizons"][-1]  # a demonstration longer than the final horizon shows what RL cannot do
     config.algo.dynamic_sampling = True
     # Episodes end anywhere from a few turns to the horizon: 4 micro-batches of like lengths, each

@@ -29,6 +29,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.max_attempts = 2  # an infra_error episode is played again, as attempt 1, ...
     config.batch_episodes = 64  # episodes played (and written) together
     config.out_dir = "runs/eval"
+    config.perturbations = ""  # "noise=0.05;tool_failure=0.2": clean + each setting, and the gap (docs/evaluation.md)
 
     config.env = ml_collections.ConfigDict()
     config.env.urls = ""  # "maze=http://host:port,room=http://..."; empty: local servers
@@ -38,6 +39,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.request_timeout_s = 30.0
     config.env.episode_timeout_s = 600.0
     config.env.auth_token = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too
+    config.env.perturbation = ""  # local servers started with --perturbation=<this> (docs/tools.md); set per setting by `perturbations`
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # empty: the policy's own (oracle: one built from env text in out_dir)
@@ -65,4 +67,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.lock_step = False  # True: every turn waits for all episodes (reproducible sampling)
     config.rollout.num_slots = 0  # as in configs/quickstart.py: 0 turn-batched, > 0 continuous batching over that many rows
     config.rollout.decode_chunk = 8  # slots: decode steps between refills
+    config.rollout.tool_calls = False  # function calling: tools in the prompt, replies read as calls (docs/tools.md)
     return config

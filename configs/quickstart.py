@@ -91,6 +91,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # (bench/rollout.py --workload=ragged).
     config.rollout.num_slots = 0
     config.rollout.decode_chunk = 8  # slots: decode steps between refills (shorter: rows idle less at turn ends)
+    # Function calling (docs/tools.md): the tools in the prompt, replies read as calls, answers as tool
+    # messages; for a tool environment's demonstrations set sft.oracle=tool_call and action_format={action}.
+    config.rollout.tool_calls = False
 
     # The horizon (most turns an episode may take) as training goes on (rl/horizon.py).
     config.horizon_schedule = ml_collections.ConfigDict()

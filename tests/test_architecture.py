@@ -25,6 +25,7 @@ LAYERS = {
     "job": {"rollout", "sampling", "models", "parallel", "envs"},
     "train": {"job", "rl", "rollout", "sampling", "models", "parallel", "envs"},
     "eval": {"job", "rollout", "sampling", "models", "parallel", "envs"},
+    "gateway": {"job", "rollout", "sampling", "models", "parallel", "envs"},
     "view": {"rollout", "sampling", "models", "parallel", "envs"},
 }
 UTILITIES = {"config", "aio", "stats", "progress"}  # modules any package may import

@@ -255,12 +255,28 @@ def test_tokenizer_without_template_needs_one(folders):
     )
 
 
+THINKING_TEMPLATE = bt.CHATML_TEMPLATE.replace(
+    "'<|im_start|>assistant\\n' }}{%- endif %}", "'<|im_start|>assistant\\n<think>' }}{%- endif %}")
+
+
+def test_a_generation_prompt_that_history_lacks_is_a_deviation(folders):
+    """The generation prompt opens a think block that rendered assistant turns do not have: the
+    framed ids keep the header each turn was sampled after, and the deviation is named."""
+    tokenizer = load_tokenizer(folders["chatml"], chat_template=THINKING_TEMPLATE)
+    framing = ChatFraming(tokenizer)
+    assert [d.kind for d in framing.deviations] == ["generation_header"]
+    assert tokenizer.decode(framing.generation_header_ids) == "<|im_start|>assistant\n<think>"
+    messages = TRICKY[:3]
+    framed = list(framing.encode(messages).ids)
+    template = reference(tokenizer, messages, False)
+    think = tokenizer.encode("<think>", add_special_tokens=False)
+    at = len(framing.prompt_ids(messages[:2]).ids) - len(think)
+    assert framed[at : at + len(think)] == think and framed[:at] + framed[at + len(think) :] == template
+
+
 @pytest.mark.parametrize(
     "template, match",
     [
-        # The generation prompt opens a think block that rendered assistant turns do not have.
-        (bt.CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n' }}{%- endif %}", "'<|im_start|>assistant\\n<think>' }}{%- endif %}"),
-         "generation prompt"),
         # Assistant turns end with text, not a control token.
         ("{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
          "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}", "control token"),

@@ -73,6 +73,20 @@ def test_pass_at_k_equals_enumeration_over_subsets():
         acc.pass_at_k(4, 1, 5)
 
 
+def test_pass_hat_k_equals_enumeration_over_subsets():
+    """pass^k: the share of k-subsets of a task's samples in which every sample succeeded."""
+    for n, c in itertools.product(range(1, 7), range(7)):
+        if c > n:
+            continue
+        outcomes = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(outcomes, k))
+            expected = sum(all(s) for s in subsets) / len(subsets)
+            assert acc.pass_hat_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="c <= n"):
+        acc.pass_hat_k(4, 5, 2)
+
+
 def test_pass_and_avg_at_k_averaged_over_tasks():
     # Task 0: 1 of 4 samples succeed; task 1: 3 of 4; task 2: none.
     wins = {0: 1, 1: 3, 2: 0}
@@ -85,6 +99,10 @@ def test_pass_and_avg_at_k_averaged_over_tasks():
     # pass@2: 1 - C(n-c, 2)/C(4, 2) = 1 - 3/6, 1 - 0/6, 0.
     assert m.pass_at_k[2] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
     assert m.pass_at_k[4] == pytest.approx(2 / 3)
+    # pass^2: C(c, 2)/C(4, 2) = 0, 3/6, 0; pass^4: only a task with 4 of 4 counts (none here).
+    assert m.pass_hat_k[1] == pytest.approx(m.pass_at_k[1])
+    assert m.pass_hat_k[2] == pytest.approx((0 + 0.5 + 0) / 3)
+    assert m.pass_hat_k[4] == 0.0
     assert m.avg_at_k == pytest.approx(4 / 12)
     assert m.num_tasks == 3 and m.scheduled == 12
 

@@ -82,8 +82,8 @@ class KillingPool(EnvPool):
         self.victim, self.kill_after, self.resets = victim, kill_after, 0
         self.killed = asyncio.Event()
 
-    async def reset(self, slot, data_idx):
-        result = await super().reset(slot, data_idx)
+    async def reset(self, slot, data_idx, **kwargs):
+        result = await super().reset(slot, data_idx, **kwargs)
         self.resets += 1
         if self.resets == self.kill_after:
             process = self.victim.servers[0].process

@@ -108,7 +108,7 @@ def test_bad_filter_values_are_config_errors():
 
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
-              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search"))]
+              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search", "movie"))]
 
 
 @pytest.mark.parametrize("name", RL_CONFIGS)
@@ -135,7 +135,7 @@ def test_the_cpu_recipe_names_its_environments():
         cpu.get_config("room")
 
 
-@pytest.mark.parametrize("env", ["maze", "textcraft", "babyai", "wordle"])
+@pytest.mark.parametrize("env", ["maze", "textcraft", "babyai", "wordle", "movie"])
 def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env):
     """Issue #15's rules for the recipes: the environment's own reward unless a run opts in, SFT only
     on demonstrations the final horizon holds, and every horizon stage as long as the others."""

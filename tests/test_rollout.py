@@ -121,8 +121,8 @@ class RecordingPool(EnvPool):
         self.observations: dict[int, list[str]] = {}
         self.rewards: dict[int, list[float]] = {}
 
-    async def reset(self, slot, data_idx):
-        result = await super().reset(slot, data_idx)
+    async def reset(self, slot, data_idx, **kwargs):
+        result = await super().reset(slot, data_idx, **kwargs)
         self.observations[slot], self.rewards[slot] = [result.observation], []
         return result
 

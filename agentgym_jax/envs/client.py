@@ -119,6 +119,12 @@ class EnvClient:
             return f"{body['task_description']}\n{observation}"
         return observation
 
+    async def tools(self, session_id: SessionId | None = None) -> list[dict[str, Any]]:
+        """The environment's tools (OpenAI function schemas), or with `session_id` the session's own
+        (a perturbation may rename or hide some); [] for an environment without tools."""
+        params = {} if session_id is None else {"id": session_id}
+        return list(_field(await self.request("GET", "/tools", params=params), "tools"))
+
     async def step(self, session_id: SessionId, action: str) -> StepResult:
         body = await self.request("POST", "/step", body={"id": session_id, "action": action})
         return StepResult.from_json(body)

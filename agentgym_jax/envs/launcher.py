@@ -1,11 +1,12 @@
 """Local environment servers as child processes, and `mode=serve`.
 
 `LocalServers(["maze", "textcraft"])` starts `python -m environments.serve --env=<name>` per
-environment on a free port of 127.0.0.1, waits until each answers `/health`, and stops them on
-exit. The children never outlive the launcher: the context manager and `atexit` stop them on
-errors and Ctrl-C, and on Linux `prctl(PR_SET_PDEATHSIG)` kills them even when the launcher is
-SIGKILLed (the signal fires when the thread that started them ends, so start them from a thread
-that lives as long as you need them). The server sets that itself (`--parent_pid`): a child is
+environment (with `perturbation=...`, each wrapped by `--perturbation`) on a free port of
+127.0.0.1, waits until each answers `/health`, and stops them on exit. The children never
+outlive the launcher: the context manager and `atexit` stop them on errors and Ctrl-C, and on
+Linux `prctl(PR_SET_PDEATHSIG)` kills them even when the launcher is SIGKILLed (the signal fires
+when the thread that started them ends, so start them from a thread that lives as long as you
+need them). The server sets that itself (`--parent_pid`): a child is
 started without running Python between fork and exec, which is safe after JAX has started its
 threads (an eval job starts its servers after it has asked JAX for its processes).
 
@@ -81,6 +82,7 @@ class LocalServers:
         idle_timeout_s: float = 900.0,
         auth_token: str = "",
         startup_timeout_s: float = 120.0,
+        perturbation: str = "",  # e.g. "noise=0.05,truncate=400": every server perturbed (environments/perturbation.py)
     ):
         if not envs:
             raise ValueError("no environments to serve")
@@ -93,6 +95,7 @@ class LocalServers:
         self.idle_timeout_s = idle_timeout_s
         self.auth_token = auth_token
         self.startup_timeout_s = startup_timeout_s
+        self.perturbation = perturbation
         self.servers: list[ServerProcess] = []
 
     @property
@@ -149,6 +152,8 @@ class LocalServers:
             cmd.append(f"--max_sessions={self.max_sessions}")
         if self.auth_token:
             cmd.append(f"--auth_token={self.auth_token}")
+        if self.perturbation:
+            cmd.append(f"--perturbation={self.perturbation}")
         env_vars = dict(os.environ)
         env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env_vars.get("PYTHONPATH")]))
         process = subprocess.Popen(  # no preexec_fn: nothing but exec runs in the forked child
@@ -223,6 +228,7 @@ def run(config: ml_collections.ConfigDict) -> None:
     servers = LocalServers(
         envs, host=config.host, base_port=config.base_port, max_sessions=config.max_sessions or None,
         idle_timeout_s=config.session_idle_timeout_s, auth_token=config.auth_token,
+        perturbation=config.perturbation,
     )
     with servers:
         for env, url in servers.urls.items():

@@ -207,8 +207,9 @@ class EnvPool:
 
     # -- one slot -----------------------------------------------------------------------------
 
-    async def reset(self, slot: int, data_idx: int) -> SlotResult:
-        """Starts task `data_idx` in `slot` (opening a session if the slot has none)."""
+    async def reset(self, slot: int, data_idx: int, *, tools: bool = False) -> SlotResult:
+        """Starts task `data_idx` in `slot` (opening a session if the slot has none); with `tools`,
+        the session's tools (`GET /tools?id=`) come in `info["tools"]`."""
         state = self._acquire(slot, resetting=True)
         state.data_idx, state.env_time_s, state.status = data_idx, 0.0, None
         reset = lambda c: c.reset(state.session_id, data_idx)  # noqa: E731
@@ -225,7 +226,10 @@ class EnvPool:
                     await self._forget_session(state)
                     await self._open_session(slot, state)  # reaped, or its server died: start over once
                     observation = await self._call(state, reset, idempotent=True)
-            return SlotResult(slot, observation)
+            info = {}
+            if tools:
+                info["tools"] = await self._call(state, lambda c: c.tools(state.session_id), idempotent=True)
+            return SlotResult(slot, observation, info=info)
         except _EpisodeEnded as e:
             return await self._end(slot, state, e, release=True)
         finally:

@@ -10,8 +10,9 @@ Definitions (docs/evaluation.md):
 - a retry of a (task, sample) is an extra `attempt`; the last attempt is the one that counts,
   and the number of retries is reported. Two records of the same (task, sample, attempt) are an
   error, never silently merged.
-- pass@k is Chen et al.'s unbiased estimator per task, averaged over tasks; avg@k is the mean
-  success over the k samples of a task, averaged over tasks.
+- pass@k is Chen et al.'s unbiased estimator per task, averaged over tasks; pass^k (Yao et al.'s
+  tau-bench, AgentGym2's reliability measure) the chance that k samples drawn from a task's n all
+  succeed; avg@k is the mean success over the k samples of a task, averaged over tasks.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Metrics:
     mean_score: float | None  # end-to-end mean reward (unscored and missing count 0); None across scales
     mean_score_scored: float | None  # mean reward over scored episodes; None across scales
     pass_at_k: dict[int, float]  # k -> unbiased pass@k averaged over tasks (end-to-end)
+    pass_hat_k: dict[int, float]  # k -> pass^k: all k attempts succeed, unbiased, averaged over tasks
     avg_at_k: float  # mean success over the k = group_size samples of a task, averaged over tasks
     invalid_action_rate: float | None  # invalid actions / policy turns, over scored episodes
     mean_turns: float | None  # over scored episodes
@@ -124,6 +126,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """pass^k (Yao et al., 2024): P(all of k samples drawn from n, c of them correct, pass) = C(c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return math.comb(c, k) / math.comb(n, k)
 
 
 def default_ks(group_size: int) -> tuple[int, ...]:
@@ -226,6 +235,7 @@ def compute_metrics(
         mean_score=sum(rewards) / scheduled if same_scale and scheduled else None,
         mean_score_scored=sum(rewards) / len(rewards) if same_scale and rewards else None,
         pass_at_k={k: task_mean(pass_at_k(group_size, c, k) for c in task_successes) for k in ks},
+        pass_hat_k={k: task_mean(pass_hat_k(group_size, c, k) for c in task_successes) for k in ks},
         avg_at_k=task_mean(c / group_size for c in task_successes),
         invalid_action_rate=sum(e.record.invalid_actions for e in scored) / turns if turns else None,
         mean_turns=turns / len(scored) if scored else None,

@@ -27,7 +27,8 @@ BARS_NAME = "success_by_env.png"
 TURNS_NAME = "success_vs_turns.png"
 
 
-def _pct(rate: Rate) -> str:
+def percent(rate: Rate) -> str:
+    """`value [low, high] (k/n)` in percent, Wilson 95%."""
     if rate.value is None:
         return "—"
     return f"{100 * rate.value:.1f}% [{100 * rate.low:.1f}, {100 * rate.high:.1f}] ({rate.numerator}/{rate.denominator})"
@@ -43,6 +44,7 @@ def markdown_table(summary: EvalSummary) -> str:
     header = (
         ["env", "scheduled", "success (end-to-end)", "conditional success (scored only)", "infra rate", "mean score"]
         + [f"pass@{k}" for k in ks]
+        + [f"pass^{k}" for k in ks if k > 1]  # pass^1 is pass@1
         + [f"avg@{summary.overall.group_size}", "invalid-action rate", "mean turns", "retries", "statuses"]
     )
     rows = [*summary.per_env.items(), ("overall", summary.overall)]
@@ -50,9 +52,10 @@ def markdown_table(summary: EvalSummary) -> str:
     def row(name: str, m: Metrics) -> list[str]:
         statuses = ", ".join(f"{s} {n}" for s, n in m.status_counts.items() if n)
         return (
-            [name, str(m.scheduled), _pct(m.success), _pct(m.conditional_success), _pct(m.infra_rate)]
+            [name, str(m.scheduled), percent(m.success), percent(m.conditional_success), percent(m.infra_rate)]
             + [_num(m.mean_score)]
             + [_num(m.pass_at_k.get(k)) for k in ks]
+            + [_num(m.pass_hat_k.get(k)) for k in ks if k > 1]
             + [_num(m.avg_at_k), _num(m.invalid_action_rate), _num(m.mean_turns, 2), str(m.retries), statuses]
         )
 

@@ -21,12 +21,15 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 from absl import logging
 
+from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.pool import EnvPool
 from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.eval import perturbed
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
 from agentgym_jax.eval.schedule import check_run_spec, task_ids
 from agentgym_jax.job import play, setup
+from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.parallel import distributed
 from agentgym_jax.parallel.distributed import is_writer
 from agentgym_jax.rollout.collect import Policy, resume_jsonl
@@ -95,23 +98,50 @@ def load_summary(out_dir: str | pathlib.Path) -> EvalSummary:
 
 
 def run(config: ml_collections.ConfigDict) -> EvalSummary:
+    """`mode=eval`; with `perturbations`, one evaluation per setting and their gap (`eval/perturbed.py`)."""
     out_dir = pathlib.Path(config.out_dir)
     distributed.initialize_distributed()
+    settings = perturbed.settings(config.get("perturbations", ""))
+    if len(settings) == 1:
+        return run_setting(config, out_dir)[0]
+    if config.env.urls or config.env.get("perturbation", ""):
+        raise ConfigError("perturbations start local servers per setting: leave env.urls and env.perturbation empty "
+                          "(for servers of your own, evaluate each into its own out_dir and use eval.compare)")
+    summaries, policy = {}, None
+    for setting in settings:
+        one = ml_collections.ConfigDict(config.to_dict())
+        one.env.perturbation = setting
+        one.out_dir = str(out_dir / perturbed.folder(setting))
+        summaries[setting], policy = run_setting(one, pathlib.Path(one.out_dir), policy)
+    if is_writer():
+        record, markdown = perturbed.gap_report(summaries, out_dir)
+        print(markdown)
+        print(perturbed.summary_line(record, setup.env_names(config), out_dir))
+    return summaries[perturbed.CLEAN]
+
+
+def run_setting(
+    config: ml_collections.ConfigDict, out_dir: pathlib.Path, policy: tuple[Policy, ChatFraming] | None = None
+) -> tuple[EvalSummary, tuple[Policy, ChatFraming]]:
+    """One evaluation into `out_dir` (with `policy` when given: the one an earlier setting built);
+    its servers must confirm `env.perturbation`."""
     check_run_spec(config, out_dir)
     with setup.open_job(config) as job:
         infos = job.infos
-        policy, _ = setup.make_policy(config, infos, out_dir)
+        for info in infos.values():
+            perturbed.check_confirmed(info, config.env.get("perturbation", ""))
+        policy = policy or setup.make_policy(config, infos, out_dir)
         summary = report(
-            policy, {env: job.pool(env) for env in infos}, infos, {env: task_ids(config, info) for env, info in infos.items()},
+            policy[0], {env: job.pool(env) for env in infos}, infos,
+            {env: task_ids(config, info) for env, info in infos.items()},
             out_dir, group_size=config.group_size, horizon=config.horizon, seed=config.seed,
             max_attempts=config.max_attempts, batch_episodes=config.batch_episodes,
         )
-    if not is_writer():
-        return summary
-    logging.info("evaluation report in %s", out_dir)
-    print(markdown_table(summary))
-    print(summary_line(summary, list(infos), out_dir))
-    return summary
+    if is_writer():
+        logging.info("evaluation report in %s", out_dir)
+        print(markdown_table(summary))
+        print(summary_line(summary, list(infos), out_dir))
+    return summary, policy
 
 
 def summary_line(summary: EvalSummary, envs: Sequence[str], out_dir: pathlib.Path) -> str:

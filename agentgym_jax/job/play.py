@@ -156,9 +156,12 @@ def oracle_episodes(config: ml_collections.ConfigDict, pool: EnvPool, info: Task
 def demonstrations(config: ml_collections.ConfigDict, framing: ChatFraming, info: TaskInfo,
                    episodes: Sequence[PlayedEpisode]) -> list[Trajectory]:
     """Every process's oracle `episodes` (`oracle_episodes`) as token-exact trajectories, group id
-    the task's place among the `sft.num_tasks` (the same list on every process)."""
+    the task's place among the `sft.num_tasks` (the same list on every process). A function-calling
+    job's (`rollout.tool_calls`) are framed as its rollouts: the environment's tools in the prompt,
+    its answers as tool messages."""
     _, first = process_share(range(config.sft.num_tasks), "sft.num_tasks", even=False)
-    played = [demonstration_trajectory(framing, info, ep, group_id=first + i) for i, ep in enumerate(episodes)]
+    tools = info.metadata.get("tools", []) if config.rollout.get("tool_calls", False) else None
+    played = [demonstration_trajectory(framing, info, ep, group_id=first + i, tools=tools) for i, ep in enumerate(episodes)]
     return gather_trajectories(played)
 
 

@@ -1,12 +1,13 @@
-"""The parts every job (rl, sft, dpo, agentevol, eval, collect) is made of, built once here.
+"""The parts every job (rl, sft, dpo, agentevol, eval, collect, gateway) is made of, built once here.
 
 `open_job` joins the processes, makes the job's folder, the mesh, this process's servers of every
 environment (one for training, `envs` for eval and collect) and their task info; the functions
 below build the tokenizer and chat framing (a Hugging Face folder, or one trained on environment
 text), the model and its params (a Hugging Face folder, a checkpoint or a random small model) in
-their shardings, eval's policy (`make_policy`), the samplers and rollout engines. What episodes
-a job plays (oracle demonstrations, evaluations, task batches) is `job/play.py`; how the config
-reads is `job/settings.py`. A mode's file is then its loop.
+their shardings, the model a config names (`load_policy`: eval's and the gateway's) and eval's
+policy (`make_policy`), the samplers and rollout engines. What episodes a job plays (oracle
+demonstrations, evaluations, task batches) is `job/play.py`; how the config reads is
+`job/settings.py`. A mode's file is then its loop.
 
 Multi-host (architecture rule 12): every process runs the same code. Each one owns a contiguous share
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
@@ -26,6 +27,7 @@ import functools
 import json
 import pathlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +179,7 @@ def environment_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, li
     """Environment -> this process's servers: its share of the environment's `env.urls` (process
     k of n takes every n-th URL from the k-th), or `env.num_servers` local servers of its own for
     the job's duration (requiring `env.auth_token` when it is set, like servers started elsewhere
-    with it)."""
+    with it; under `env.perturbation`, eval's clean-versus-perturbed runs, when it is set)."""
     envs = env_names(config)
     given, n = parse_urls(config.env.urls, envs), jax.process_count()
     with contextlib.ExitStack() as stack:
@@ -189,7 +191,9 @@ def environment_urls(config: ml_collections.ConfigDict) -> Iterator[dict[str, li
                                       "give each process at least one")
                 urls[env] = given[env][jax.process_index() :: n]
             else:  # one group per server: a group holds each env once
-                groups = [stack.enter_context(LocalServers([env], auth_token=config.env.auth_token))
+                perturbation = config.env.get("perturbation", "")
+                groups = [stack.enter_context(LocalServers([env], auth_token=config.env.auth_token,
+                                                           perturbation=perturbation))
                           for _ in range(config.env.num_servers)]
                 urls[env] = [group.servers[0].url for group in groups]
         yield urls
@@ -407,9 +411,25 @@ def make_policy(
     if kind == "oracle" and not where:
         corpus = [info.instruction for info in infos.values()]
         framing = tokenizer_and_framing(config, workdir, corpus)
-        return OraclePolicy(framing, config.rollout.action_format), framing
+        return OraclePolicy(framing, config.rollout.action_format, config.rollout.get("tool_calls", False)), framing
+    config, framing, model, params = load_policy(config, "'oracle', ")
+    rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
+    sampler = make_sampler(config, model, framing, rollout)
+    return ModelPolicy(sampler, framing, params, rollout), framing
+
+
+
+def load_policy(
+    config: ml_collections.ConfigDict, other_kinds: str = ""
+) -> tuple[ml_collections.ConfigDict, ChatFraming, ModelConfig, Any]:
+    """The model `config.policy` names: "checkpoint:<job folder>" (the params of its latest orbax
+    checkpoint, or `checkpoint_step`; its `config.json` and `tokenizer/`), "hf:<folder>",
+    "hf:<org>/<name>" (the Hugging Face cache) or "pretrained:<name>". Returns a copy of the config
+    with `model.hf_dir` set for a Hugging Face folder, the framing, the model and its params on
+    this process's sampler mesh. `other_kinds` names what the caller accepts besides (in errors)."""
+    kind, _, where = config.policy.partition(":")
     if kind not in ("checkpoint", "hf", "pretrained") or not where:
-        raise ConfigError(f"policy must be 'oracle', 'checkpoint:<dir>', 'hf:<dir>', 'hf:<org>/<name>' (the Hugging "
+        raise ConfigError(f"policy must be {other_kinds}'checkpoint:<dir>', 'hf:<dir>', 'hf:<org>/<name>' (the Hugging "
                           f"Face cache) or 'pretrained:<name>', got {config.policy!r}")
     folder = pathlib.Path(where)
     if kind == "pretrained" or (kind == "hf" and not folder.exists()):
@@ -428,11 +448,9 @@ def make_policy(
     if kind == "hf":
         params = initial_params(config, model, mesh, jax.random.key(0), value_head=False)
     else:
-        dtype = jnp.dtype(config.model.param_dtype)
-        params = checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh, dtype)
-    rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
-    sampler = make_sampler(config, model, framing, rollout)
-    return ModelPolicy(sampler, framing, params, rollout), framing
+        params = checkpoint_params(folder / "checkpoints", config.checkpoint_step, model, mesh,
+                                   jnp.dtype(config.model.param_dtype))
+    return config, framing, model, params
 
 
 def make_engine(

@@ -14,7 +14,9 @@ instruction) is context only. Here:
   human turn by no generation header.
 - export: a trajectory's token ids are cut at its turn spans; each policy turn's text is the
   decoding of its ids (end-of-turn token dropped), and the text between turns is decoded and
-  split at the chat template's markup (`ChatFraming.parts`) into human turns. Prompt assistant
+  split at the chat template's markup (`ChatFraming.parts`) into human turns (a function-calling
+  episode's tool results, `ChatFraming.tool_parts`, too: the format has no tool role; a tool
+  list the template writes into its system turn is exported as that turn's text). Prompt assistant
   turns (the acknowledgement) are written with `"loss": false`, policy turns with `true`.
 A message whose content contains the template's markup text cannot be told apart from the markup
 on export; import is unaffected.
@@ -171,6 +173,15 @@ def _split_prompt(text: str, framing: ChatFraming) -> list[dict[str, Any]]:
     raise ValueError(f"the prompt does not start with the chat template's head: {text[:80]!r}")
 
 
+def _split_tool_results(text: str, framing: ChatFraming, where: str) -> list[dict[str, Any]]:
+    """`tool_header result (tool_separator result)* tool_suffix generation_header` -> one human
+    turn (AgentGym's format has no tool role; several results are joined by newlines)."""
+    t, end = framing.tool_parts, framing.tool_parts.tool_suffix + framing.parts.generation_header
+    if not text.endswith(end):
+        raise ValueError(f"{where}: tool results do not end with {end!r}: {text[-80:]!r}")
+    return [_turn("user", "\n".join(text[len(t.tool_header) : -len(end)].split(t.tool_separator)), None)]
+
+
 def _split_between_turns(text: str, framing: ChatFraming, closed: bool, where: str) -> list[dict[str, Any]]:
     """Text after a policy turn -> the human turns it holds (none for a bare end of turn)."""
     p = framing.parts
@@ -178,6 +189,8 @@ def _split_between_turns(text: str, framing: ChatFraming, closed: bool, where: s
         text = text[len(p.end_of_turn) :]
     if text in ("", p.after_end_of_turn):
         return []
+    if framing.tool_parts and text.startswith(p.after_end_of_turn + framing.tool_parts.tool_header):
+        return _split_tool_results(text[len(p.after_end_of_turn) :], framing, where)
     head = p.after_end_of_turn + p.user_header
     if not text.startswith(head):
         raise ValueError(f"{where}: expected the template's {head!r}, got {text[:80]!r}")

@@ -52,15 +52,18 @@ class Policy(Protocol):
 
 @dataclasses.dataclass
 class OraclePolicy:
-    """The environment's oracle (`/oracle_action`), each action phrased by `action_format`."""
+    """The environment's oracle (`/oracle_action`), each action phrased by `action_format`;
+    `tool_calls`: framed as function-calling episodes, the environment's tools in the prompt."""
 
     framing: ChatFraming
     action_format: str = ACTION_ONLY
+    tool_calls: bool = False
 
     async def play(self, pool, info, task_ids, horizon, rng, on_progress=None):
         del rng, on_progress  # the oracle is deterministic, and fast
         episodes = await play_oracle_episodes(pool, task_ids, horizon=horizon, action_format=self.action_format)
-        return [demonstration_trajectory(self.framing, info, ep, group_id=i) for i, ep in enumerate(episodes)]
+        tools = info.metadata.get("tools", []) if self.tool_calls else None
+        return [demonstration_trajectory(self.framing, info, ep, group_id=i, tools=tools) for i, ep in enumerate(episodes)]
 
 
 @dataclasses.dataclass

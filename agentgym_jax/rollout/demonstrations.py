@@ -19,7 +19,8 @@ observation left out. The reward is the sum of the step rewards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from agentgym_jax.envs.pool import EnvPool, PlayedEpisode
 from agentgym_jax.envs.protocol import TaskInfo
@@ -38,11 +39,14 @@ def demonstration_trajectory(
     *,
     group_id: int,
     prompt_style: PromptStyle | str = PromptStyle.SHORT,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> Trajectory:
-    """A played episode (its actions already rendered as assistant text) -> a trajectory."""
+    """A played episode (its actions already rendered as assistant text) -> a trajectory; with
+    `tools`, framed as a function-calling episode (`rollout.tool_calls`: the tools in the prompt,
+    the answers as tool messages), as the rollout engine frames one."""
     if not episode.turns and not episode.status.is_scored:  # the reset or first oracle call failed
         return empty_trajectory(episode.data_idx, task_info.env, group_id, episode.status)
-    transcript = Transcript.start(framing, task_info.instruction, episode.first_observation, prompt_style)
+    transcript = Transcript.start(framing, task_info.instruction, episode.first_observation, prompt_style, tools)
     for k, turn in enumerate(episode.turns):
         if k:
             transcript.add_observation(episode.turns[k - 1].observation)

@@ -7,7 +7,9 @@
 One episode: reset -> first prompt (`transcript.Transcript.start`) -> loop while turns < horizon:
 the sampler continues the episode's KV cache with the new environment ids and samples a turn;
 the decoded text is sent as the action (the server parses it; `info.invalid_action` says whether
-it could); the observation's exact continuation ids become the next chunk to append. The
+it could); the observation's exact continuation ids become the next chunk to append. With
+`tool_calls` (function calling, `rollout/tool_use.py`) the prompt carries the session's tools,
+a reply is sent as the tool call it holds and the answer is appended as a tool message. The
 training sequence is the prompt, the sampled ids and the appended ids, nothing re-tokenized.
 
 How episodes end (one `EpisodeStatus` each):
@@ -53,6 +55,7 @@ from agentgym_jax.aio import LoopThread
 from agentgym_jax.envs.pool import EnvPool, SlotResult
 from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.rollout import tool_use
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.rollout.transcript import PromptStyle, Transcript, empty_trajectory
 from agentgym_jax.sampling.config import SamplingConfig
@@ -77,6 +80,7 @@ class RolloutConfig:
     straggler_wait_s: float | None = 0.05  # None: every sampler call waits for all observations
     num_slots: int = 0  # > 0: continuous batching over this many sampler rows (`_SlotRollout`); 0: turn-batched
     decode_chunk: int = 16  # slots: decode steps between admissions / observation appends
+    tool_calls: bool = False  # function calling: tools in the prompt, replies read as calls, results as tool messages
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_style", PromptStyle(self.prompt_style))
@@ -194,6 +198,8 @@ class RolloutEngine:
         if not sampler.config.return_raw_logprobs:
             raise ValueError("the sampler must return raw log-probs (what trajectories store); "
                              "build it with config.sampling_config(framing)")
+        if config.tool_calls and framing.tool_error:
+            raise ValueError(f"rollout.tool_calls: {framing.tool_error}")
         if config.max_tokens_per_turn > sampler.config.max_new_tokens:
             raise ValueError(
                 f"max_tokens_per_turn={config.max_tokens_per_turn} exceeds the sampler's "
@@ -375,14 +381,18 @@ class _Rollout:
         """Resets every episode's environment and starts its transcript (a failed reset: its status)."""
         start = time.monotonic()
         pool = self.engine.pool
-        results = await asyncio.gather(*(self._timed(ep, pool.reset(ep.slot, ep.task_id)) for ep in self.episodes))
+        tools = self.config.tool_calls
+        results = await asyncio.gather(
+            *(self._timed(ep, pool.reset(ep.slot, ep.task_id, tools=tools)) for ep in self.episodes)
+        )
         self.wait_s += time.monotonic() - start
         info, style = self.engine.task_info, self.config.prompt_style
         for ep, result in zip(self.episodes, results):
             if result.status is not None:
                 ep.status = result.status
             else:
-                ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style)
+                ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style,
+                                                 tools=result.info["tools"] if tools else None)
 
     async def _reset_and_prefill(self) -> None:
         await self._reset_episodes()
@@ -466,6 +476,8 @@ class _Rollout:
             ep.status = EpisodeStatus.TOKEN_BUDGET
             return
         text = self.engine.framing.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.config.tool_calls:
+            text = tool_use.action_of(text)
         self.in_flight += 1
         task = asyncio.create_task(self._step(ep, text))
         self.steps.add(task)

@@ -8,13 +8,15 @@ and append environment answers with the same ids:
     transcript.add_policy_turn(sampled_ids, sampled_logprobs)    # loss_mask 1
     transcript.add_observation(observation)                      # loss_mask 0
     ...
+    Transcript.start(..., tools=schemas)                         # a function-calling episode
+    ...
     trajectory = transcript.to_trajectory(task_id=..., env=..., ...)
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentgym_jax.envs.protocol import EpisodeStatus
@@ -50,10 +52,17 @@ def prompt_messages(instruction: str, observation: str, style: PromptStyle | str
 
 
 class Transcript:
-    """Token ids, loss mask and log-probs of one episode, appended turn by turn (never re-rendered)."""
+    """Token ids, loss mask and log-probs of one episode, appended turn by turn (never re-rendered).
 
-    def __init__(self, framing: ChatFraming, prompt: Framed):
+    `answer_role`: how environment answers are appended: "environment" (a user turn, AgentGym's
+    way) or "tool" (a function-calling episode: each answer is the result of the turn's call).
+    """
+
+    def __init__(self, framing: ChatFraming, prompt: Framed, answer_role: str = "environment"):
+        if answer_role == "tool" and framing.tool_error:
+            raise ValueError(framing.tool_error)
         self.framing = framing
+        self.answer_role = answer_role
         self.prompt_len = len(prompt)
         self.token_ids: list[int] = list(prompt.ids)
         self.loss_mask: list[int] = [0] * len(prompt)
@@ -62,10 +71,14 @@ class Transcript:
 
     @classmethod
     def start(
-        cls, framing: ChatFraming, instruction: str, observation: str, style: PromptStyle | str
+        cls, framing: ChatFraming, instruction: str, observation: str, style: PromptStyle | str,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Transcript:
-        """A transcript holding the first prompt (ending with the generation header)."""
-        return cls(framing, framing.prompt_ids(prompt_messages(instruction, observation, style)))
+        """A transcript holding the first prompt (ending with the generation header). With `tools`
+        (OpenAI function schemas, even none) it is a function-calling episode: the template
+        writes the tools into the prompt and environment answers are tool messages."""
+        prompt = framing.prompt_ids(prompt_messages(instruction, observation, style), tools=tools)
+        return cls(framing, prompt, "environment" if tools is None else "tool")
 
     @property
     def response_len(self) -> int:
@@ -94,17 +107,22 @@ class Transcript:
         self.add_policy_turn(self.framing.assistant_ids(content).ids)
 
     def observation_ids(self, observation: str) -> tuple[int, ...]:
-        """The exact ids `add_observation` would append (to check a budget before appending).
+        """The exact ids `add_observation` would append (to check a budget before appending)."""
+        return self.answer_ids([{"role": self.answer_role, "content": observation}])
+
+    def answer_ids(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
+        """The exact ids of `messages` answering the last turn: one user or environment message,
+        or the results of its tool calls (`ChatFraming.continuation_of`).
 
         After a turn cut by a token limit (no end-of-turn id sampled) the end-of-turn ids come
         first, as template ids with loss_mask 0, so the conversation stays well-formed.
         """
-        ids = self.framing.continuation_ids(observation).ids
+        ids = self.framing.continuation_of(messages).ids
         closed = not self.turn_spans or self.token_ids[-1] in self.framing.end_of_turn_ids
         return ids if closed else self.framing.end_of_turn_ids + ids
 
     def add_observation(self, observation: str | None = None, ids: Sequence[int] | None = None) -> tuple[int, ...]:
-        """Appends an environment answer as a user turn plus the next generation header (mask 0).
+        """Appends an environment answer (a user or tool turn) plus the next generation header (mask 0).
 
         Pass `ids` when they were computed already by `observation_ids`. Returns the ids appended.
         """
