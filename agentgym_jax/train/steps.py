@@ -344,46 +344,21 @@ def prepare(
     cut to its own with `length_buckets > 1`, and skipped where no row trains a token.
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
-    separate critic's (`config.rl.separate_critic`), else None.
+    separate critic's (`config.rl.separate_critic`), else None. Where nothing reads a scoring pass
+    (`UpdateConfig.scores_rollouts`), none runs: advantages only.
     """
-    rl, forward, batching = config.rl, config.forward, config.batching
+    rl = config.rl
     if rl.separate_critic != (critic_params is not None):
         raise ValueError(f"critic={rl.critic!r} with advantage={rl.advantage!r}: critic_params must be "
                          f"{'given' if rl.separate_critic else 'None'}")
     mask = batch.loss_mask
     check_microbatches(batch.tokens.shape[0], config)
-    parts = batching.num_minibatches * batching.num_microbatches
-    temperature = rl.temperature
-
-    def score(all_params: tuple[Any, Any, Any], part: TokenBatch) -> tuple[jax.Array, ...]:
-        params, ref_params, critic_params = all_params
-        rows = (part.tokens, part.positions)
-        old_logprobs, entropy, values = token_logprobs(params, *rows, forward, temperature, rl.shared_value_head)
-        if rl.separate_critic:
-            values = critic_values(critic_params, *rows, forward, rl.critic_model)
-        ref_logprobs = (token_logprobs(ref_params, *rows, forward, temperature)[0] if rl.uses_reference
-                        else old_logprobs)
-        return old_logprobs, entropy, values, ref_logprobs
-
-    if not config.scores_rollouts:  # `rl_loss` takes the update's own log-probs as the old ones
-        rewards = batch.token_rewards
-        advantages, returns = compute_advantages(rl.advantage, token_rewards=rewards, loss_mask=mask, values=None,
-                                                 group_ids=batch.group_ids, **dict(rl.advantage_hparams))
-        sampler = batch.old_logprobs
-        return RLBatch(tokens=batch.tokens, positions=batch.positions, loss_mask=mask, old_logprobs=sampler,
-                       ref_logprobs=sampler, old_values=jnp.zeros_like(sampler), advantages=advantages,
-                       returns=returns, is_weights=jnp.ones_like(sampler)), _advantage_metrics(advantages, mask)
-
-    # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
-    order = _length_order(batch, parts) if batching.length_buckets > 1 and parts > 1 else None
-    rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
-    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], batching.length_buckets), per_position=True)
-    all_params = (params, ref_params, critic_params)
-    scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), _split(rows, parts))
-    scored = _merge(scored)
-    if order is not None:
-        scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
-    old_logprobs, entropy, values, ref_logprobs = scored
+    if config.scores_rollouts:
+        old_logprobs, values, ref_logprobs, is_weights, score_metrics = _score_rollouts(
+            (params, ref_params, critic_params), batch, config)
+    else:  # `rl_loss` takes the update's own log-probs, gradient stopped, as the old ones
+        old_logprobs = ref_logprobs = batch.old_logprobs
+        values, is_weights, score_metrics = jnp.zeros_like(mask), jnp.ones_like(mask), {}
     rewards = batch.token_rewards
     if rl.kl_in_reward:
         rewards, _ = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, mask, kl_coef=rl.kl_coef, estimator=rl.kl_estimator)
@@ -395,19 +370,7 @@ def prepare(
         group_ids=batch.group_ids,
         **dict(rl.advantage_hparams),
     )
-    # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
-    is_weights, is_metrics = importance_weights(
-        old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
-        cap=rl.is_cap, mode="drop" if rl.decoupled_ppo else "truncate",
-    )
-    if not rl.corrects_off_policy:
-        is_weights = jnp.ones_like(is_weights)
-    metrics = {
-        **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
-        **is_metrics,
-        **_advantage_metrics(advantages, mask),
-        "score_length_fraction": jnp.mean(run_lengths) / batch.tokens.shape[1],  # of the padded positions, scored
-    }
+    metrics = {**score_metrics, **_advantage_metrics(advantages, mask)}
     rl_batch = RLBatch(
         tokens=batch.tokens,
         positions=batch.positions,
@@ -420,6 +383,47 @@ def prepare(
         is_weights=is_weights,
     )
     return rl_batch, metrics
+
+
+def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
+                    config: UpdateConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Metrics]:
+    """`prepare`'s scoring pass: trainer and reference log-probs and values of every row, the
+    importance weights of trainer vs sampler, and their metrics."""
+    rl, forward, batching, mask = config.rl, config.forward, config.batching, batch.loss_mask
+
+    def score(all_params: tuple[Any, Any, Any], part: TokenBatch) -> tuple[jax.Array, ...]:
+        params, ref_params, critic_params = all_params
+        rows = (part.tokens, part.positions)
+        old_logprobs, entropy, values = token_logprobs(params, *rows, forward, rl.temperature, rl.shared_value_head)
+        if rl.separate_critic:
+            values = critic_values(critic_params, *rows, forward, rl.critic_model)
+        ref_logprobs = (token_logprobs(ref_params, *rows, forward, rl.temperature)[0] if rl.uses_reference
+                        else old_logprobs)
+        return old_logprobs, entropy, values, ref_logprobs
+
+    parts = batching.num_minibatches * batching.num_microbatches
+    # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
+    order = _length_order(batch, parts) if batching.length_buckets > 1 and parts > 1 else None
+    rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
+    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], batching.length_buckets), per_position=True)
+    scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), _split(rows, parts))
+    scored = _merge(scored)
+    if order is not None:
+        scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
+    old_logprobs, entropy, values, ref_logprobs = scored
+    # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
+    is_weights, is_metrics = importance_weights(
+        old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
+        cap=rl.is_cap, mode="drop" if rl.decoupled_ppo else "truncate",
+    )
+    if not rl.corrects_off_policy:
+        is_weights = jnp.ones_like(is_weights)
+    metrics = {
+        **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
+        **is_metrics,
+        "score_length_fraction": jnp.mean(run_lengths) / batch.tokens.shape[1],  # of the padded positions, scored
+    }
+    return old_logprobs, values, ref_logprobs, is_weights, metrics
 
 
 def _rollout_metrics(trainer_logprobs: jax.Array, sampler_logprobs: jax.Array, entropy: jax.Array,
