@@ -94,6 +94,19 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Function calling (docs/tools.md): the tools in the prompt, replies read as calls, answers as tool
     # messages; for a tool environment's demonstrations set sft.oracle=tool_call and action_format={action}.
     config.rollout.tool_calls = False
+    # Asynchronous RL (docs/algorithms.md, "Asynchronous RL"): 0 samples every step's episodes with
+    # the newest weights and then updates (synchronous). k > 0: the sampler keeps generating while the
+    # trainer updates, with the newest weights it has (an episode in flight takes new weights as they
+    # come), at most k updates behind; a group with a token older than that is dropped or resampled
+    # (`stale_groups`). Needs continuous batching (`num_slots`) and an off-policy correction
+    # (`algo.decoupled_ppo` or `algo.is_correction`). With `lock_step`, the stages alternate in a
+    # fixed order (step s samples the episodes of step s + k, then updates on step s's): reproducible.
+    config.rollout.max_staleness = 0
+    config.rollout.stale_groups = "drop"  # drop | resample (the same task again, a new sample)
+    # Where the sampler runs: 0 shares every device with the trainer (the two take turns); n > 0 gives
+    # the last n devices of each process to the sampler and the others to the trainer (async RL),
+    # the weights copied over after each update.
+    config.rollout.sampler_devices = 0
 
     # The horizon (most turns an episode may take) as training goes on (rl/horizon.py).
     config.horizon_schedule = ml_collections.ConfigDict()
