@@ -49,6 +49,10 @@ class LoopThread:
             future.cancel()
             raise
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedules `coro` on the loop and returns at once; `.result()` waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def close(self) -> None:
         """Shuts down the loop's default executor, stops the loop and joins its thread."""
         if self._loop.is_closed():

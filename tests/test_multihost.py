@@ -27,11 +27,10 @@ from agentgym_jax.envs.launcher import LocalServers
 from agentgym_jax.parallel.distributed import gather_objects, process_share, share_bounds
 from agentgym_jax.rollout import agentgym_format
 from agentgym_jax.rollout.trajectory import read_jsonl
-from agentgym_jax.train.metrics import read_metrics
+from agentgym_jax.train.metrics import TIMING_KEYS, read_metrics
 from tests.rl_runs import with_compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
 STEPS = 3
 
 

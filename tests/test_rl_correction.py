@@ -56,6 +56,8 @@ def test_importance_weights_match_reference(level, mode):
         np.testing.assert_allclose(metrics["is_weight_max"], raw[mask].max(), rtol=1e-5)
         np.testing.assert_allclose(metrics["is_capped_fraction"], (raw[mask] > cap).mean(), rtol=1e-6)
         assert 0 < float(metrics["is_capped_fraction"]) < 1  # the cap is active on some tokens
+        used = ref_weights(trainer, behaviour, mask, level, cap, mode)[mask]
+        np.testing.assert_allclose(metrics["is_ess_fraction"], used.sum() ** 2 / (used.size * (used**2).sum()), rtol=1e-5)
 
 
 def test_equal_policies_give_weight_one_and_bad_options_are_refused():
@@ -63,7 +65,7 @@ def test_equal_policies_give_weight_one_and_bad_options_are_refused():
     x = jnp.asarray(trainer, jnp.float32)
     weights, metrics = correction.importance_weights(x, x, jnp.asarray(mask), level="sequence", cap=2.0, mode="truncate")
     np.testing.assert_array_equal(weights, mask.astype(np.float32))
-    assert float(metrics["is_capped_fraction"]) == 0.0
+    assert float(metrics["is_capped_fraction"]) == 0.0 and float(metrics["is_ess_fraction"]) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="unknown importance-sampling level 'turn'; valid: token, sequence"):
         correction.importance_weights(x, x, mask, level="turn", cap=2.0, mode="truncate")
     with pytest.raises(ValueError, match="cap must be > 0, got 0"):

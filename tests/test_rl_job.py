@@ -12,14 +12,13 @@ import time
 import pytest
 
 from agentgym_jax.rl.horizon import stepwise
-from agentgym_jax.train.metrics import read_metrics
+from agentgym_jax.train.metrics import TIMING_KEYS, read_metrics
 from agentgym_jax.job.play import task_batch
 from environments.room.env import RoomEnv
 from tests.rl_runs import TINY_RL_JOB, launch_command
 from tests.test_metrics import _tensorboard_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s", "sampler_wait_fraction"}
 STEPS = 4
 
 

@@ -67,14 +67,17 @@ def test_a_full_write_that_fails_midway_leaves_the_old_file_whole(tmp_path):
 
 def test_truncate_keeps_the_steps_before_the_restored_one_and_drops_a_torn_line(tmp_path):
     path = tmp_path / "t.jsonl"
-    steps = [0, 0, 1, 1, 2, 2]  # policy_version: checkpoint at step 2, step 2 was played before a kill
-    write_jsonl(str(path), [dataclasses.replace(_trajectory(task_id=i), policy_version=v) for i, v in enumerate(steps)])
+    # (train_step, policy_version): checkpoint at step 2, step 2 was played before a kill; asynchronous
+    # RL writes steps whose episodes an older policy sampled (step 1's record 3 from version 0)
+    steps = [(0, 0), (0, 0), (1, 1), (1, 0), (2, 1), (2, 2)]
+    write_jsonl(str(path), [dataclasses.replace(_trajectory(task_id=i), train_step=s, policy_version=v)
+                            for i, (s, v) in enumerate(steps)])
     with open(path, "a") as f:
         f.write('{"task_id": 9')  # killed mid-write
-    truncate_jsonl(str(path), before_version=2)
-    assert [(t.task_id, t.policy_version) for t in read_jsonl(str(path))] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    truncate_jsonl(str(path), before_step=2)
+    assert [(t.task_id, t.train_step) for t in read_jsonl(str(path))] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert path.read_text().endswith("\n") and not (tmp_path / "t.jsonl.tmp").exists()
-    truncate_jsonl(str(tmp_path / "missing.jsonl"), before_version=2)  # a first run has nothing to cut
+    truncate_jsonl(str(tmp_path / "missing.jsonl"), before_step=2)  # a first run has nothing to cut
     assert not (tmp_path / "missing.jsonl").exists()
 
 

@@ -305,12 +305,18 @@ class EnvPool:
             status = last.status or EpisodeStatus.MAX_TURNS
             return PlayedEpisode(data_idx, first.observation, tuple(turns), status, last.info, last.error)
         finally:
-            state = self._slots.pop(slot, None)
-            if state is not None and state.session_id is not None:
-                if state.status is EpisodeStatus.ENV_TIMEOUT:  # it may still be busy: not for another episode
-                    await self._close_session(state.server, state.session_id)
-                else:
-                    await self._release_session(state)
+            await self.release(slot)
+
+    async def release(self, slot: int) -> None:
+        """Forgets `slot` and gives its session back for any slot's next reset (closes it instead
+        if the episode timed out: the server may still be busy with it). For callers that end
+        episodes themselves (a turn limit) and go on with other slots, e.g. a stream of episodes."""
+        state = self._slots.pop(slot, None)
+        if state is not None and state.session_id is not None:
+            if state.status is EpisodeStatus.ENV_TIMEOUT:  # it may still be busy: not for another episode
+                await self._close_session(state.server, state.session_id)
+            else:
+                await self._release_session(state)
 
     async def tasks(self) -> TaskInfo:
         """The environment's task splits (asked of the first server)."""

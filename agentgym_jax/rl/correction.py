@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from agentgym_jax.rl.masked import check_hparams, check_same_shape, masked_mean, masked_sum
+from agentgym_jax.rl.masked import check_hparams, check_same_shape, masked_count, masked_mean, masked_sum
 
 IS_LEVELS = ("token", "sequence")
 IS_MODES = ("truncate", "drop")  # TIS truncates at the cap; decoupled PPO drops tokens above it
@@ -40,7 +40,8 @@ def importance_weights(
 
     Returns the weights `[batch, seq]` (0 off the mask) and metrics over policy tokens:
     `is_weight_mean` and `is_weight_max` of the raw weights, `is_capped_fraction` (tokens whose raw
-    weight exceeds `cap`).
+    weight exceeds `cap`) and `is_ess_fraction` (the effective sample size of the used weights over
+    the token count).
     """
     check_same_shape(logprobs=logprobs, behaviour_logprobs=behaviour_logprobs, loss_mask=loss_mask)
     check_hparams(lambda v: v > 0, "> 0", cap=cap)
@@ -58,5 +59,9 @@ def importance_weights(
         "is_weight_mean": masked_mean(raw, loss_mask),
         "is_weight_max": jnp.max(jnp.where(loss_mask, raw, 0.0)),
         "is_capped_fraction": masked_mean(capped, loss_mask),
+        # Kish's effective sample size of the weights the loss uses, as a fraction of the tokens:
+        # (sum w)^2 / (n sum w^2); 1 when they are all equal, small when a few tokens dominate.
+        "is_ess_fraction": masked_sum(weights, loss_mask) ** 2
+        / jnp.maximum(masked_count(loss_mask) * masked_sum(weights**2, loss_mask), 1e-30),
     }
     return jnp.where(loss_mask, weights, 0.0), metrics

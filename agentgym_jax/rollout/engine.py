@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -62,6 +63,7 @@ from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, SamplerState, StopReason, Turn, TurnOutput
 
 Params = Any
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,7 @@ class _LiveEpisode:
     sample_idx: int
     seed: int  # what its draws fold in: (group_offset + task index) * group_size + sample, the same
     # episode's number whichever process (or engine run) plays it
+    horizon: int  # the most policy turns it may take
     transcript: Transcript | None = None  # None until reset succeeded
     pending: tuple[int, ...] = ()  # observation ids to append before the next turn
     status: EpisodeStatus | None = None
@@ -165,6 +168,8 @@ class _LiveEpisode:
     row: int = -1  # slots: the sampler row it holds, -1 when none
     turn_ids: list[int] = dataclasses.field(default_factory=list)  # slots: the turn being sampled
     turn_logprobs: list[float] = dataclasses.field(default_factory=list)
+    turn_versions: list[int] = dataclasses.field(default_factory=list)  # slots: each token's policy version
+    versions: list[int] = dataclasses.field(default_factory=list)  # slots: every sampled token's, in order
 
 
 class RolloutEngine:
@@ -233,12 +238,7 @@ class RolloutEngine:
         `on_progress(finished)`, if given, hears how many episodes have finished, before every
         sampler call and at the end (on the engine's event-loop thread): a progress bar's count.
         """
-        if self._loop is None:
-            self._loop = LoopThread("rollout-engine")
-        if not self._pool_opened:
-            self._loop.run(self.pool.__aenter__())
-            self._pool_opened = True
-        return self._loop.run(self.run_async(
+        return self._open().run(self.run_async(
             params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset,
             on_progress=on_progress,
         ))
@@ -263,14 +263,15 @@ class RolloutEngine:
             self.task_info = await self.pool.tasks()
         # The sampler's copy of the params (bf16 under bf16 compute), made once for the whole run.
         params = self.sampler.sampling_params(params)
-        rollout = (_SlotRollout if self.config.num_slots else _Rollout)(self, params, rng, horizon)
+        rollout = (_SlotRollout if self.config.num_slots else _Rollout)(self, params, rng)
         n = self.config.group_size
         # Every episode of a wave is reset before any is stepped, so a wave holds at most as many
         # episodes as the pool holds sessions (a bounded pool, e.g. one browser per session).
         wave = await self.pool.session_capacity()
         samples = [(i, int(task), j) for i, task in enumerate(task_ids) for j in range(n)]
         episodes = [
-            _LiveEpisode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j)
+            _LiveEpisode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j,
+                         horizon=horizon)
             for k, (i, task, j) in enumerate(samples)
         ]
         if on_progress is not None:
@@ -284,6 +285,20 @@ class RolloutEngine:
         rollout.episodes = episodes
         self.last_stats = rollout.stats()
         return [self._trajectory(ep, policy_version) for ep in episodes]
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Runs `coro` on the engine's event loop, its pool open, without waiting for it (a
+        stream of episode groups played beside training: `rollout/stream.py`)."""
+        return self._open().submit(coro)
+
+    def _open(self) -> LoopThread:
+        """The engine's event loop, its pool opened there on first use."""
+        if self._loop is None:
+            self._loop = LoopThread("rollout-engine")
+        if not self._pool_opened:
+            self._loop.run(self.pool.__aenter__())
+            self._pool_opened = True
+        return self._loop
 
     def forced_lengths(self, episodes: Sequence[_LiveEpisode]) -> list[int] | None:
         """Each episode's forced length of its next turn (0: free), or None without `turn_lengths`."""
@@ -329,13 +344,13 @@ class RolloutEngine:
 class _Rollout:
     """The state of one `run`: episodes, the sampler state, and the sampler/environment overlap."""
 
-    def __init__(self, engine: RolloutEngine, params: Params, rng: jax.Array, horizon: int):
+    def __init__(self, engine: RolloutEngine, params: Params, rng: jax.Array, version: int = 0):
         self.engine = engine
         self.sampler = engine.sampler
         self.config = engine.config
         self.params = params
+        self.version = version  # the policy version of `params` (slots record it per sampled token)
         self.rng = rng
-        self.horizon = horizon
         self.episodes: list[_LiveEpisode] = []
         self.state: SamplerState | None = None
         self.ready: set[int] = set()  # rows whose next turn can be sampled
@@ -386,13 +401,17 @@ class _Rollout:
             *(self._timed(ep, pool.reset(ep.slot, ep.task_id, tools=tools)) for ep in self.episodes)
         )
         self.wait_s += time.monotonic() - start
-        info, style = self.engine.task_info, self.config.prompt_style
         for ep, result in zip(self.episodes, results):
-            if result.status is not None:
-                ep.status = result.status
-            else:
-                ep.transcript = Transcript.start(self.engine.framing, info.instruction, result.observation, style,
-                                                 tools=result.info["tools"] if tools else None)
+            self._start_transcript(ep, result)
+
+    def _start_transcript(self, ep: _LiveEpisode, reset: SlotResult) -> None:
+        """The episode's first prompt from its reset's answer (a failed reset: its status)."""
+        if reset.status is not None:
+            ep.status = reset.status
+            return
+        info = self.engine.task_info
+        ep.transcript = Transcript.start(self.engine.framing, info.instruction, reset.observation, self.config.prompt_style,
+                                         tools=reset.info["tools"] if self.config.tool_calls else None)
 
     async def _reset_and_prefill(self) -> None:
         await self._reset_episodes()
@@ -526,7 +545,7 @@ class _Rollout:
             ep.status = result.status
         elif limit and ep.invalid_in_a_row >= limit:
             ep.status = EpisodeStatus.INVALID_ACTION_LIMIT
-        elif ep.transcript.num_turns >= self.horizon:
+        elif ep.transcript.num_turns >= ep.horizon:
             ep.status = EpisodeStatus.MAX_TURNS
         else:
             ids = ep.transcript.observation_ids(result.observation)
@@ -557,52 +576,77 @@ class _SlotRollout(_Rollout):
         self.episodes = episodes
         try:
             await self._reset_all()
-            waiting = collections.deque(ep for ep in episodes if ep.transcript is not None)
+            waiting = [ep for ep in episodes if ep.transcript is not None]
             self.ready.clear()
             if not waiting:
                 return
-            num_slots = self.config.num_slots
-            self.state = await asyncio.to_thread(self.sampler.init_slots, self.params, num_slots)
-            batch = self.state.live.shape[0]
-            self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
-            self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
-            self.holder: list[_LiveEpisode | None] = [None] * batch
-            # prompt -> its next-token logits (host), kept while an episode with it waits for a row
-            self.prompt_logits: dict[tuple[int, ...], np.ndarray] = {}
-            self.prompts_waiting = collections.Counter(_prompt(ep) for ep in waiting)
-            free = list(range(num_slots))
-            while waiting or self.in_flight or any(self.holder):
-                for row, ep in enumerate(self.holder):  # episodes that ended give their row back
-                    if ep is not None and ep.status is not None:
-                        self.cache_slots += int(self.index[row])
-                        self.holder[row], self.index[row] = None, 0
-                        free.append(row)
-                admitted = []
-                free.sort()  # the lowest rows first (decode gathers the active rows wherever they are)
-                while free and waiting:
-                    ep = waiting.popleft()
-                    ep.row = free.pop(0)
-                    self.holder[ep.row] = ep
-                    admitted.append(ep)
-                arrived = sorted((self.episodes[i] for i in self.ready), key=lambda ep: ep.row)
-                self.ready.clear()
-                if admitted or arrived:
-                    await self._in_sampler(lambda: self._fill(admitted, arrived), [ep.slot for ep in admitted + arrived])
-                if self.turn.active.any():
-                    await self._decode_chunk()
-                elif self.in_flight:
-                    start = time.monotonic()
-                    await self._next_arrival(None)
-                    self.wait_s += time.monotonic() - start
+            await self._start_slots()
+            self._queue(waiting)
+            while self.waiting or self.in_flight or any(self.holder):
+                if not await self._tick() and self.in_flight:
+                    await self._wait_idle()
                 if self.failure is not None:
                     raise self.failure
         finally:
             for task in self.steps:  # only left over when something raised
                 task.cancel()
 
+    async def _start_slots(self) -> None:
+        """The sampler's `num_slots` rows, all free, and the host's view of them."""
+        num_slots = self.config.num_slots
+        self.state = await asyncio.to_thread(self.sampler.init_slots, self.params, num_slots)
+        batch = self.state.live.shape[0]
+        self.turn = Turn.start(np.zeros((batch,), bool), np.zeros((batch,), np.int32))
+        self.index = np.zeros((batch,), np.int64)  # host copy of each row's tokens (0: free)
+        self.holder: list[_LiveEpisode | None] = [None] * batch
+        self.free = list(range(num_slots))
+        self.waiting: collections.deque[_LiveEpisode] = collections.deque()  # reset, waiting for a row
+        # prompt -> its next-token logits (host), kept while an episode with it waits for a row
+        self.prompt_logits: dict[tuple[int, ...], np.ndarray] = {}
+        self.prompts_waiting: collections.Counter = collections.Counter()
+
+    def _queue(self, episodes: Sequence[_LiveEpisode]) -> None:
+        """Episodes whose reset answered, in the order they take rows."""
+        self.waiting.extend(episodes)
+        self.prompts_waiting.update(_prompt(ep) for ep in episodes)
+
+    async def _tick(self) -> bool:
+        """Frees the rows of ended episodes, admits waiting ones, appends arrived observations and
+        decodes one chunk. False when there was nothing to compute (every live episode waits on its
+        environment)."""
+        for row, ep in enumerate(self.holder):  # episodes that ended give their row back
+            if ep is not None and ep.status is not None:
+                self.cache_slots += int(self.index[row])
+                self.holder[row], self.index[row] = None, 0
+                self.free.append(row)
+        admitted = []
+        self.free.sort()  # the lowest rows first (decode gathers the active rows wherever they are)
+        while self.free and self.waiting:
+            ep = self.waiting.popleft()
+            ep.row = self.free.pop(0)
+            self.holder[ep.row] = ep
+            admitted.append(ep)
+        arrived = sorted((self.episodes[i] for i in self.ready), key=lambda ep: ep.row)
+        self.ready.clear()
+        if admitted or arrived:
+            await self._in_sampler(lambda: self._fill(admitted, arrived), [ep.slot for ep in admitted + arrived])
+        if self.turn.active.any():
+            await self._decode_chunk()
+            return True
+        return bool(admitted or arrived)
+
+    async def _wait_idle(self) -> None:
+        """Waits, counted as the sampler's wait, for the next arrival."""
+        start = time.monotonic()
+        await self._next_arrival(None)
+        self.wait_s += time.monotonic() - start
+
     async def _reset_all(self) -> None:
         await self._reset_episodes()
-        for ep in self.episodes:
+        self._check_prompts(self.episodes)
+
+    def _check_prompts(self, episodes: Sequence[_LiveEpisode]) -> None:
+        for ep in episodes:
             if ep.transcript is not None and ep.transcript.prompt_len > self.sampler.max_cache_len:
                 raise ValueError(
                     f"prompt of {ep.transcript.prompt_len} tokens exceeds max_cache_len={self.sampler.max_cache_len}"
@@ -672,7 +716,7 @@ class _SlotRollout(_Rollout):
         turn.seeds[rows] = [(ep.seed, ep.transcript.num_turns) for ep in starting]
         turn.stop[rows] = StopReason.TOKEN_LIMIT
         for ep in starting:
-            ep.turn_ids, ep.turn_logprobs = [], []
+            ep.turn_ids, ep.turn_logprobs, ep.turn_versions = [], [], []
 
     async def _decode_chunk(self) -> None:
         """One chunk of decode steps; turns that ended are recorded and sent as actions."""
@@ -689,7 +733,9 @@ class _SlotRollout(_Rollout):
             n = int(self.turn.count[row] - count[row])
             ep.turn_ids += tokens[row, :n].tolist()
             ep.turn_logprobs += raw_logprobs[row, :n].tolist()  # unfiltered, at the sampling temperature
+            ep.turn_versions += [self.version] * n
             self.index[row] = index[row]
             if not self.turn.active[row]:
+                ep.versions += ep.turn_versions
                 self._end_turn(ep, np.asarray(ep.turn_ids, np.int32), np.asarray(ep.turn_logprobs, np.float32),
                                self.turn.stop[row])

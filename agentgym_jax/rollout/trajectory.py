@@ -32,7 +32,10 @@ class Trajectory:
     invalid_actions: int = 0
     sample_idx: int = 0  # which of the n samples of this task
     attempt: int = 0  # retries of the same (task, sample) are new attempts, never new tasks
-    policy_version: int = 0  # training step of the params that sampled it
+    policy_version: int = 0  # training step of the params that sampled it (asynchronous RL: of its oldest token)
+    token_versions: list[int] = dataclasses.field(default_factory=list)  # per token id, the policy version
+    # that sampled it (-1 off the loss mask); empty: every sampled token's is `policy_version`
+    train_step: int = -1  # the RL step whose update used it (-1: none, e.g. evaluation)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     text: str = ""
 
@@ -47,6 +50,8 @@ class Trajectory:
             )
         if any(not 0 <= start < end <= n for start, end in self.turn_spans):
             raise ValueError(f"a turn span of {self.turn_spans} lies outside the {n} token ids")
+        if self.token_versions and len(self.token_versions) != n:
+            raise ValueError(f"token_versions ({len(self.token_versions)}) must be empty or one per token id ({n})")
         if len(self.turn_rewards) > len(self.turn_spans):  # the last turn may never have been stepped
             raise ValueError(f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_spans)} turns")
 
@@ -88,11 +93,11 @@ def write_jsonl(path: str, trajectories: Iterable[Trajectory], append: bool = Tr
         os.replace(target, path)
 
 
-def truncate_jsonl(path: str, before_version: int) -> None:
-    """Rewrites `path` keeping only the records with `policy_version < before_version` (what a
-    run resumed at step `before_version` keeps; it replays the later steps). Atomic."""
+def truncate_jsonl(path: str, before_step: int) -> None:
+    """Rewrites `path` keeping only the records with `train_step < before_step` (what a run
+    resumed at step `before_step` keeps; it replays the later steps). Atomic."""
     if os.path.exists(path):
-        write_jsonl(path, [t for t in read_jsonl(path) if t.policy_version < before_version], append=False)
+        write_jsonl(path, [t for t in read_jsonl(path) if t.train_step < before_step], append=False)
 
 
 def read_jsonl(path: str) -> Iterator[Trajectory]:

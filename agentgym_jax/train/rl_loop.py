@@ -29,7 +29,7 @@ from agentgym_jax.job import play, setup
 from agentgym_jax.job import settings as job_settings
 from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer, process_share
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
-from agentgym_jax.train import build, rl_report, settings
+from agentgym_jax.train import build, rl_episodes, rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import BehaviourCloning
 from agentgym_jax.train.state import make_optimizer, reference_params
@@ -91,22 +91,21 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         earlier_minutes = meta.get("minutes", 0.0) if resuming else 0.0  # the earlier processes' time to the checkpoint
         run_minutes = lambda: earlier_minutes + process_minutes()  # noqa: E731
 
-        # RL: each step's tasks, horizon and sampling key are functions of the step (exact resume).
+        # RL: each step's tasks, horizon and sampling key are functions of the step (exact resume); or,
+        # asynchronous, groups streamed at most rollout.max_staleness updates behind (train/rl_episodes.py).
         trajectories_path = str(setup.process_file(workdir, "trajectories.jsonl"))
-        truncate_jsonl(trajectories_path, before_version=meta["rl_step"])  # the steps after it are replayed
+        truncate_jsonl(trajectories_path, before_step=meta["rl_step"])  # the steps after it are replayed
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer(),
                                desc="rl")
         rules = settings.batch_filter(config)
+        plan = rl_episodes.StepPlan(schedule, curriculum, info, config.rollout.batch_tasks, config.seed, config.train.steps)
+        positions = meta.get("episodes") or [{}] * jax.process_count()  # each process's stream, where it stood
+        source = rl_episodes.of(plan, train_engine, rl_episodes.async_settings(config, update.rl.corrects_off_policy),
+                                positions[jax.process_index()])
+        stack.callback(source.close)
+        step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
-            horizon = schedule.horizon(step)
-            pool = curriculum.pool(info.splits["train"], info.metadata, step)
-            tasks, first = process_share(play.task_batch(pool, step, config.rollout.batch_tasks, config.seed), "rollout.batch_tasks")
-            t0 = time.time()
-            trajectories = train_engine.run(
-                local_policy(state), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(config.seed), step),
-                policy_version=step, group_offset=first,
-            )
-            rollout_s = time.time() - t0
+            trajectories, rollout_metrics = source.take(step, lambda: local_policy(state))
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
                 trajectories, step_fns.padded_rows, mesh, rules)  # empty rows: rows divide over the mesh
@@ -119,18 +118,22 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 update_metrics = {**update_metrics, **critic_metrics}
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
+            source.updated(step + 1, lambda: local_policy(state))
+            step_s, step_start = time.time() - step_start, time.time()
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
+            sampler_busy_s, sampler_wait_s = rollout_metrics.pop("sampler_busy_s"), rollout_metrics.pop("sampler_wait_s")
             metrics = {
                 **play.rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics),
-                **update_metrics, "horizon": horizon, "stage": schedule.stage(step), "task_pool": len(pool),
-                "rollout_s": rollout_s, "update_s": update_s, "tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
-                "sampler_wait_fraction": train_engine.last_stats.wait_fraction,
+                **update_metrics, **rollout_metrics, "stage": schedule.stage(step), "update_s": update_s, "step_s": step_s,
+                "tokens_per_s": tokens / step_s, "sampler_idle_fraction": max(0.0, 1 - sampler_busy_s / step_s),
+                "sampler_wait_fraction": sampler_wait_s / step_s, "trainer_idle_fraction": rollout_metrics["rollout_s"] / step_s,
             }
             logger.log(step + 1, metrics)
-            meta = {**meta, "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
+            meta = {**meta, "episodes": gather_objects(source.position()), "rl_step": step + 1, "cursor": (step + 1) * config.rollout.batch_tasks,
                     "stage": schedule.stage(step + 1)}
             ckpt.save(step + 1, (state, ref_params, *critic), {**meta, "minutes": run_minutes()},
                       force=step + 1 == config.train.steps)
+        source.close()
         logger.close()
 
         # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).

@@ -1,0 +1,265 @@
+"""Where each RL step's episodes come from: played for the step, or taken from a stream.
+
+    episodes = rl_episodes.of(config, plan, engine, position=meta)   # Synchronous or Asynchronous
+    for step in ...:
+        trajectories, metrics = episodes.take(step, policy)         # policy(): the sampler's weights
+        ... update ...
+        episodes.updated(step + 1, policy)
+        meta.update(episodes.position())                           # saved with the checkpoint
+
+`Synchronous` (`rollout.max_staleness=0`): step s plays its tasks with the weights of update s,
+then the update runs; the sampler and the environments wait while it does.
+
+`Asynchronous` (`max_staleness=k > 0`, docs/algorithms.md "Asynchronous RL"): a `GroupStream`
+plays the groups of batch b (the tasks, horizon and number step b would play) as soon as the
+trainer's version v (updates applied) has b <= v + k, with the newest weights published, while
+the trainer updates. Step s takes the `rollout.batch_tasks` lowest-numbered groups that have
+finished (waiting while fewer have) and are at most k versions stale (oldest token); staler ones
+are dropped or played again (`rollout.stale_groups`), counted. With `rollout.lock_step` nothing
+overlaps: step s plays every admitted group to its end with version s, then takes batch s (the
+groups of batch s + k were sampled k updates earlier): the same tokens every run. A checkpoint
+keeps the next batch to admit and the groups admitted but not yet trained on (`position`); a
+resumed run plays those again with its restored weights, so no episode is trained on twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from agentgym_jax.config import ConfigError
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.job import play
+from agentgym_jax.parallel.distributed import process_share
+from agentgym_jax.rl.curriculum import Curriculum
+from agentgym_jax.rl.horizon import HorizonSchedule
+from agentgym_jax.rollout.engine import RolloutEngine
+from agentgym_jax.rollout.stream import GroupSpec, GroupStream, PlayedGroup, PolicyWeights, StreamTimes
+from agentgym_jax.rollout.trajectory import Trajectory
+
+Policy = Callable[[], Any]  # the weights the sampler reads now (`setup.local_policy` of the train state)
+STALE_GROUPS = ("drop", "resample")
+_STREAM_KEY = 0x53545245  # the stream's draws: apart from every synchronous step's fold_in(seed, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What batch b holds: a function of b alone (`job/play.task_batch` over the curriculum's pool,
+    the horizon schedule's horizon), this process's share of it."""
+
+    schedule: HorizonSchedule
+    curriculum: Curriculum
+    info: TaskInfo
+    batch_tasks: int
+    seed: int
+    steps: int  # the run's RL steps (batches 0 .. steps - 1)
+
+    def tasks(self, step: int) -> tuple[list[int], int, int]:
+        """(this process's tasks, the number of its first group in the batch, the task pool's size)."""
+        pool = self.curriculum.pool(self.info.splits["train"], self.info.metadata, step)
+        tasks, first = process_share(play.task_batch(pool, step, self.batch_tasks, self.seed), "rollout.batch_tasks")
+        return tasks, first, len(pool)
+
+    def groups(self, batch: int) -> list[GroupSpec]:
+        """This process's groups of batch `batch`, numbered over every process's."""
+        tasks, first, _ = self.tasks(batch)
+        horizon = self.schedule.horizon(batch)
+        return [GroupSpec(batch * self.batch_tasks + first + i, task, horizon) for i, task in enumerate(tasks)]
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    max_staleness: int = 0
+    stale_groups: str = "drop"
+    lock_step: bool = False
+
+
+def async_settings(config: ml_collections.ConfigDict, corrects_off_policy: bool) -> AsyncSettings:
+    """`rollout.max_staleness`, `stale_groups`, `lock_step`; a one-line error for what cannot run."""
+    r = config.rollout
+    k, stale = r.get("max_staleness", 0), r.get("stale_groups", "drop")
+    if not isinstance(k, int) or k < 0:
+        raise ConfigError(f"rollout.max_staleness must be an integer >= 0 (0: synchronous), got {k!r}")
+    if stale not in STALE_GROUPS:
+        raise ConfigError(f"rollout.stale_groups must be one of {', '.join(STALE_GROUPS)}, got {stale!r}")
+    if k and not r.num_slots:
+        raise ConfigError("rollout.max_staleness > 0 streams episodes through continuous batching: set rollout.num_slots > 0")
+    if k and not corrects_off_policy:
+        raise ConfigError("rollout.max_staleness > 0 samples with older weights than the update's: set "
+                          "algo.decoupled_ppo=True (or algo.is_correction=token|sequence) to correct for them")
+    return AsyncSettings(k, stale, bool(r.lock_step))
+
+
+class Synchronous:
+    """Step s plays its own tasks with the current weights (today's loop)."""
+
+    def __init__(self, plan: StepPlan, engine: RolloutEngine):
+        self.plan, self.engine = plan, engine
+
+    def take(self, step: int, policy: Policy) -> tuple[list[Trajectory], dict[str, float]]:
+        tasks, first, pool = self.plan.tasks(step)
+        start = time.time()
+        trajectories = self.engine.run(
+            policy(), tasks, self.plan.schedule.horizon(step), jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
+            policy_version=step, group_offset=first,
+        )
+        stats = self.engine.last_stats
+        return trajectories, {
+            "horizon": self.plan.schedule.horizon(step), "task_pool": pool, "rollout_s": time.time() - start,
+            "sampler_busy_s": stats.sampler_busy_s, "sampler_wait_s": stats.sampler_wait_s,
+        }
+
+    def updated(self, version: int, policy: Policy) -> None:
+        del version, policy  # the next step reads the weights itself
+
+    def position(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Asynchronous:
+    """Episodes from a `GroupStream` at most `max_staleness` updates behind. See the module docstring."""
+
+    def __init__(self, plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]):
+        self.plan, self.engine, self.settings = plan, engine, settings
+        self.rng = jax.random.fold_in(jax.random.PRNGKey(plan.seed), _STREAM_KEY)
+        self._lock = threading.Lock()
+        self._next_batch = position.get("next_batch", 0)
+        self._to_feed = [GroupSpec(**g) for g in position.get("pending", [])]  # played again after a resume
+        self._outstanding: dict[tuple[int, int], GroupSpec] = {}  # fed, not trained on or dropped
+        self._finished: queue.SimpleQueue[PlayedGroup] = queue.SimpleQueue()
+        self._done: list[PlayedGroup] = []  # finished, not yet taken
+        self._version = 0
+        self._weights: PolicyWeights | None = None
+        self._stream: GroupStream | None = None
+        self._future = None
+        self._times = StreamTimes()
+        self._times_at_last_take = StreamTimes()
+        self.dropped = self.resampled = 0
+
+    # -- the trainer's side ----------------------------------------------------------------------
+
+    def take(self, step: int, policy: Policy) -> tuple[list[Trajectory], dict[str, float]]:
+        start = time.time()
+        if self._weights is None:  # the first step of this process: the stream starts
+            self._version = step
+            self._weights = PolicyWeights(_copy(policy()), step)
+            if not self.settings.lock_step:
+                self._stream = GroupStream(self.engine, self._weights, self.rng, self._times)
+                self._future = self.engine.submit(self._stream.play(self._feed, self._finished.put))
+        if self.settings.lock_step:  # every admitted group played to its end now, with this version
+            fed = [self._feed()]
+            stream = GroupStream(self.engine, self._weights, self.rng, self._times)
+            self.engine.submit(stream.play(lambda: fed.pop() if fed else None, self._finished.put)).result()
+        groups = self._take_groups(len(self.plan.tasks(step)[0]))
+        trajectories = [dataclasses.replace(t, train_step=step) for g in groups for t in g.trajectories]
+        staleness = [step - g.oldest_version for g in groups]
+        times, self._times_at_last_take = _minus(self._times, self._times_at_last_take), dataclasses.replace(self._times)
+        k = self.settings.max_staleness
+        return trajectories, {
+            "horizon": max(g.spec.horizon for g in groups), "task_pool": self.plan.tasks(step)[2],
+            "rollout_s": time.time() - start, "sampler_busy_s": times.busy_s, "sampler_wait_s": times.env_wait_s,
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            **{f"staleness_{v}": sum(s == v for s in staleness) / len(staleness) for v in range(k + 1)},
+            "stale_dropped": self.dropped, "stale_resampled": self.resampled,
+        }
+
+    def updated(self, version: int, policy: Policy) -> None:
+        weights = _copy(policy())  # the next update donates the train state; the sampler keeps its own
+        with self._lock:
+            self._version = version
+        self._weights.publish(weights, version)
+        if self._stream is not None:
+            self._stream.wake()
+
+    def position(self) -> dict[str, Any]:
+        """What a resumed run needs: the next batch to admit, the groups admitted and not trained on."""
+        with self._lock:
+            pending = sorted({**self._outstanding, **{(g.index, g.attempt): g for g in self._to_feed}}.values(),
+                             key=lambda g: (g.index, g.attempt))
+            return {"next_batch": self._next_batch, "pending": [dataclasses.asdict(g) for g in pending]}
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.stop()
+            self._future.result()
+            self._stream = None
+
+    # -- the stream's side (its event loop's thread) -----------------------------------------------
+
+    def _feed(self) -> list[GroupSpec]:
+        """The groups the staleness bound admits now: batch b once b <= version + max_staleness, and
+        b < steps (past the last step only to stand in for groups dropped as stale)."""
+        with self._lock:
+            specs, self._to_feed = self._to_feed, []
+            last = self.plan.steps + -(-self.dropped // self.plan.batch_tasks)
+            while self._next_batch <= min(self._version + self.settings.max_staleness, last - 1):
+                specs += self.plan.groups(self._next_batch)
+                self._next_batch += 1
+            self._outstanding.update(((g.index, g.attempt), g) for g in specs)
+            return specs
+
+    def _take_groups(self, count: int) -> list[PlayedGroup]:
+        """The `count` lowest-numbered finished groups within the staleness bound (waiting for them)."""
+        while True:
+            while not self._finished.empty():
+                self._done.append(self._finished.get())
+            self._drop_stale()
+            if len(self._done) >= count:
+                break
+            if self._future is not None and self._future.done():
+                self._future.result()  # the stream failed: its error, here
+                raise RuntimeError("the episode stream ended before the step had its groups")
+            try:
+                self._done.append(self._finished.get(timeout=1.0))
+            except queue.Empty:
+                pass
+        self._done.sort(key=lambda g: (g.spec.index, g.spec.attempt))
+        taken, self._done = self._done[:count], self._done[count:]
+        with self._lock:
+            for g in taken:
+                del self._outstanding[(g.spec.index, g.spec.attempt)]
+        return taken
+
+    def _drop_stale(self) -> None:
+        with self._lock:
+            version = self._version
+        keep, resampled = [], False
+        for g in self._done:
+            if version - g.oldest_version <= self.settings.max_staleness:
+                keep.append(g)
+                continue
+            with self._lock:
+                del self._outstanding[(g.spec.index, g.spec.attempt)]
+                if self.settings.stale_groups == "resample":
+                    self._to_feed.append(dataclasses.replace(g.spec, attempt=g.spec.attempt + 1))
+            resampled = self.settings.stale_groups == "resample"
+            self.resampled += resampled
+            self.dropped += not resampled
+        self._done = keep
+        if resampled and self._stream is not None:
+            self._stream.wake()
+
+
+def of(plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]) -> Synchronous | Asynchronous:
+    """The episodes' source the settings ask for (`position`: a checkpoint's, {} on a fresh start)."""
+    return Asynchronous(plan, engine, settings, position) if settings.max_staleness else Synchronous(plan, engine)
+
+
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _minus(a: StreamTimes, b: StreamTimes) -> StreamTimes:
+    return StreamTimes(*(x - y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
+
