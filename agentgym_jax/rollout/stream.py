@@ -186,19 +186,20 @@ class GroupStream(_SlotRollout):
             self.arrived.set()
 
     async def _emit_ended(self, emit: Callable[[PlayedGroup], None]) -> None:
-        """Emits every group whose episodes all ended (their sessions given back to the pool)."""
+        """Gives the session of every episode that ended back to the pool (a reset may wait for
+        it, with a server's cap), and emits every group whose episodes all ended."""
+        for slot, ep in list(self.episodes.items()):
+            if ep.status is not None:
+                await self.engine.pool.release(slot)
+                del self.episodes[slot]
         for key, (spec, episodes, start) in list(self._groups.items()):
-            if any(ep.status is None for ep in episodes):
-                continue
-            del self._groups[key]
-            for ep in episodes:
-                await self.engine.pool.release(ep.slot)
-                del self.episodes[ep.slot]
-            emit(PlayedGroup(spec, [self._trajectory(ep, start) for ep in episodes]))
+            if all(ep.status is not None for ep in episodes):
+                del self._groups[key]
+                emit(PlayedGroup(spec, [self._trajectory(ep, spec, start) for ep in episodes]))
 
-    def _trajectory(self, ep: _LiveEpisode, version_at_start: int) -> Trajectory:
+    def _trajectory(self, ep: _LiveEpisode, spec: GroupSpec, version_at_start: int) -> Trajectory:
         """The episode's record; versions per token (the group's start version if it sampled none)."""
-        t = self.engine._trajectory(ep, min(ep.versions, default=version_at_start))
+        t = dataclasses.replace(self.engine._trajectory(ep, min(ep.versions, default=version_at_start)), attempt=spec.attempt)
         if not ep.versions:
             return t
         versions = iter(ep.versions)

@@ -157,12 +157,11 @@ class Asynchronous:
             if not self.settings.lock_step:
                 self._stream = GroupStream(self.engine, self._weights, self.rng, self._times)
                 self._future = self.engine.submit(self._stream.play(self._feed, self._finished.put))
-        if self.settings.lock_step:  # every admitted group played to its end now, with this version
-            fed = [self._feed()]
+        if self.settings.lock_step and (fed := [self._feed()]) != [[]]:  # admitted groups played to their end now
             stream = GroupStream(self.engine, self._weights, self.rng, self._times)
             self.engine.submit(stream.play(lambda: fed.pop() if fed else None, self._finished.put)).result()
         groups = self._take_groups(len(self.plan.tasks(step)[0]))
-        trajectories = [dataclasses.replace(t, train_step=step) for g in groups for t in g.trajectories]
+        trajectories = [t for g in groups for t in g.trajectories]
         staleness = [step - g.oldest_version for g in groups]
         times, self._times_at_last_take = _minus(self._times, self._times_at_last_take), dataclasses.replace(self._times)
         k = self.settings.max_staleness

@@ -18,6 +18,7 @@ and devices, and the update runs on the global batch of every process's episodes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import time
 
@@ -106,6 +107,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
             trajectories, rollout_metrics = source.take(step, lambda: local_policy(state))
+            trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
                 trajectories, step_fns.padded_rows, mesh, rules)  # empty rows: rows divide over the mesh
