@@ -13,10 +13,11 @@ Multi-host (architecture rule 12): every process runs the same code. Each one ow
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
 samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its
-compute-dtype weights are copied there once per rollout by `local_policy`); updates run on
-the global mesh over global arrays built from every process's rows. Process 0 writes metrics,
-reports and shared files (`distributed.is_writer`); trajectories go to one file per process
-(`process_file`); orbax checkpoints from every process.
+compute-dtype weights are copied there after every update by `local_policy`); updates run on
+the global mesh over global arrays built from every process's rows. The sampler shares the
+trainer's devices, or has the last `rollout.sampler_devices` of each process's to itself
+(`placement`). Process 0 writes metrics, reports and shared files (`distributed.is_writer`);
+trajectories go to one file per process (`process_file`); orbax checkpoints from every process.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class Job:
     """What `open_job` built: the same on every process except `urls` (this process's servers)."""
 
     workdir: pathlib.Path  # `config.workdir`, or `config.out_dir` (eval, collect)
-    mesh: jax.sharding.Mesh  # all devices of all processes: train state, updates
-    sampler_mesh: jax.sharding.Mesh  # this process's devices: its sampler and episodes
+    mesh: jax.sharding.Mesh  # the trainer's devices of all processes (`placement`): train state, updates
+    sampler_mesh: jax.sharding.Mesh  # this process's sampler devices: its sampler and episodes
     env: ml_collections.ConfigDict  # `config.env`: how pools reach the servers
     urls: dict[str, list[str]]  # environment -> this process's servers ({} for a job without servers)
     infos: dict[str, TaskInfo]  # environment -> its task info, process 0's

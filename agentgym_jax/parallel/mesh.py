@@ -64,7 +64,7 @@ def split_devices(sampler_devices: int, devices: Sequence[jax.Device] | None = N
 def process_mesh(mesh: Mesh, fsdp: int | None = None) -> Mesh:
     """`mesh`'s devices as one ("data", "fsdp", "tensor") mesh per process, stacked on a leading
     "processes" axis: process k's row is its own devices in `mesh`'s order, `fsdp` over all of
-    them (or over `fsdp` of them, "data" over the rest). When `mesh` lists each process's devices
+    them (or split `fsdp` ways and replicated over "data"). When `mesh` lists each process's devices
     together, in process order, both meshes order the devices alike and moving an array between
     them is a plain reshard."""
     devices = list(mesh.devices.flat)
@@ -78,5 +78,5 @@ def process_mesh(mesh: Mesh, fsdp: int | None = None) -> Mesh:
 
 def local_mesh(mesh: Mesh, fsdp: int | None = None) -> Mesh:
     """This process's row of `process_mesh(mesh, fsdp)`: its devices, `fsdp` over all of them (or
-    over `fsdp` of them)."""
+    split `fsdp` ways and replicated over "data")."""
     return Mesh(process_mesh(mesh, fsdp).devices[jax.process_index()], AXES, axis_types=(AxisType.Auto,) * 3)
