@@ -13,10 +13,11 @@ Multi-host (architecture rule 12): every process runs the same code. Each one ow
 of the tasks (`distributed.process_share`; whole groups, since a task's samples are played
 together), runs its own servers (`env.num_servers` local ones, or its share of `env.urls`) and
 samples its own episodes with a sampler sharded over its own devices (`sampler_mesh`; its
-compute-dtype weights are copied there once per rollout by `local_policy`); updates run on
-the global mesh over global arrays built from every process's rows. Process 0 writes metrics,
-reports and shared files (`distributed.is_writer`); trajectories go to one file per process
-(`process_file`); orbax checkpoints from every process.
+compute-dtype weights are copied there after every update by `local_policy`); updates run on
+the global mesh over global arrays built from every process's rows. The sampler shares the
+trainer's devices, or has the last `rollout.sampler_devices` of each process's to itself
+(`placement`). Process 0 writes metrics, reports and shared files (`distributed.is_writer`);
+trajectories go to one file per process (`process_file`); orbax checkpoints from every process.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.job import settings
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
-from agentgym_jax.parallel.mesh import local_mesh, make_mesh
+from agentgym_jax.parallel.mesh import local_mesh, make_mesh, split_devices
 from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
 from agentgym_jax.rollout.rl_batch import BatchFilter, training_batch
@@ -61,8 +62,8 @@ class Job:
     """What `open_job` built: the same on every process except `urls` (this process's servers)."""
 
     workdir: pathlib.Path  # `config.workdir`, or `config.out_dir` (eval, collect)
-    mesh: jax.sharding.Mesh  # all devices of all processes: train state, updates
-    sampler_mesh: jax.sharding.Mesh  # this process's devices: its sampler and episodes
+    mesh: jax.sharding.Mesh  # the trainer's devices of all processes (`placement`): train state, updates
+    sampler_mesh: jax.sharding.Mesh  # this process's sampler devices: its sampler and episodes
     env: ml_collections.ConfigDict  # `config.env`: how pools reach the servers
     urls: dict[str, list[str]]  # environment -> this process's servers ({} for a job without servers)
     infos: dict[str, TaskInfo]  # environment -> its task info, process 0's
@@ -93,24 +94,55 @@ def open_job(config: ml_collections.ConfigDict, *, servers: bool = True) -> Iter
         for env, env_urls in urls.items():
             body = fetch_task_info(config.env, env_urls).to_json() if distributed.is_writer() else None
             infos[env] = select_tasks(TaskInfo.from_json(distributed.broadcast_object(body)), config.env.get("tasks", ""))
-        mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-        yield Job(workdir, mesh, sampler_mesh(config), config.env, urls, infos)
+        yield Job(workdir, trainer_mesh(config), sampler_mesh(config), config.env, urls, infos)
+
+
+def placement(config: ml_collections.ConfigDict) -> tuple[list[jax.Device], list[jax.Device]]:
+    """(the trainer's devices of every process, this process's sampler devices) as
+    `rollout.sampler_devices` places them: 0, every device for both (they take turns); n > 0,
+    the last n devices of each process for its sampler, the others for the trainer."""
+    n = config.rollout.get("sampler_devices", 0)
+    if n == 0:
+        return jax.devices(), jax.local_devices()
+    try:
+        trainer, sampler = split_devices(n)
+    except ValueError as e:
+        raise ConfigError(f"rollout.sampler_devices={n}: {e}") from e
+    return trainer, [d for d in sampler if d.process_index == jax.process_index()]
+
+
+def trainer_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    """The job's mesh (`config.mesh`) over the trainer's devices of every process (`placement`):
+    train state and updates."""
+    trainer, _ = placement(config)
+    try:
+        return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=trainer)
+    except ValueError as e:
+        n = config.rollout.get("sampler_devices", 0)
+        split = f" (rollout.sampler_devices={n} of each process's devices sample)" if n else ""
+        raise ConfigError(f"config.mesh: {e}{split}") from e
 
 
 def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-    """Where this process's sampler runs: the job's mesh on one process; on several, a mesh
-    over this process's devices (`fsdp` over all of them, `parallel.mesh.local_mesh`)."""
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    return mesh if jax.process_count() == 1 else local_mesh(mesh)
+    """Where this process's sampler runs: sharing the trainer's devices, the job's mesh on one
+    process and a mesh over this process's devices on several (`fsdp` over all of them,
+    `parallel.mesh.local_mesh`); on devices of its own (`rollout.sampler_devices`), a mesh over
+    those, `fsdp` over all of them."""
+    if config.rollout.get("sampler_devices", 0) == 0:
+        mesh = trainer_mesh(config)
+        return mesh if jax.process_count() == 1 else local_mesh(mesh)
+    return make_mesh(1, -1, 1, devices=placement(config)[1])
 
 
 def local_policy(config: ml_collections.ConfigDict, job: Job, params):
-    """The policy weights this process's sampler reads, made once per rollout (every process
-    calls it). One process: `params` as they are (the sampler makes its compute-dtype copy on
-    the same mesh). Several: a compute-dtype copy without the value head, cast on the global
-    shards and then moved to this process's devices in the sampler's layout (each device gets
-    its shard, `distributed.to_local`): never a float32 or whole replica per device."""
-    if jax.process_count() == 1:
+    """The policy weights this process's sampler reads, made after every update (every process
+    calls it). Sharing one process's devices with the trainer: `params` as they are (the sampler
+    makes its compute-dtype copy on the same mesh). Otherwise a compute-dtype copy without the
+    value head, cast on the trainer's shards and then moved to this process's sampler devices in
+    the sampler's layout (each device gets its shard, `distributed.to_local`): never a float32 or
+    whole replica per device. On devices of its own the copy is new buffers the trainer may
+    donate `params` under."""
+    if jax.process_count() == 1 and config.rollout.get("sampler_devices", 0) == 0:
         return params
     policy = {name: p for name, p in params.items() if name != "value_head"}  # the sampler never reads the critic
     policy = _cast(jnp.dtype(config.model.compute_dtype))(policy)

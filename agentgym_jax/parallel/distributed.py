@@ -12,6 +12,7 @@ gathered from every process, and global arrays built from per-process rows.
 
 from __future__ import annotations
 
+import math
 import os
 import urllib.request
 from collections.abc import Mapping
@@ -24,9 +25,9 @@ import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from agentgym_jax.parallel.mesh import process_mesh
+from agentgym_jax.parallel.mesh import AXES, local_mesh, process_mesh
 
 _TPU_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
 
@@ -159,17 +160,57 @@ def rows_from_host(tree: Any, sharding: NamedSharding) -> Any:
 
 
 def to_local(tree: Any, mesh: jax.sharding.Mesh, shardings: Any) -> Any:
-    """A copy of global arrays on this process's devices, laid out by `shardings` (a pytree of
-    `NamedSharding`s over `local_mesh(mesh)` matching `tree`): what a process-local sampler reads.
+    """A copy of global arrays (laid out over `mesh`) on this process's devices, laid out by
+    `shardings` (a pytree of `NamedSharding`s over one mesh of this process's devices, `fsdp` over
+    all of them, matching `tree`): what a process-local sampler reads. Every process calls it
+    with the same `shardings`, each on its own devices.
 
-    One reshard that every process calls with the same `shardings`: to that layout on every
-    process's devices at once (over `process_mesh(mesh)`, replicated over "processes"), so each
-    device receives its local shard only, never a whole replica. On one process: `tree` unchanged.
+    On `mesh`'s own devices of this process (`local_mesh(mesh)`: the sampler shares the trainer's
+    devices): one reshard to that layout on every process's devices at once (over
+    `process_mesh(mesh)`, replicated over "processes"), so each device receives its local shard
+    only, never a whole replica. On one process: `tree` unchanged.
+
+    On devices of its own (disjoint from `mesh`'s; XLA reshards only within one device set): the
+    same reshard to a layout over this process's devices of `mesh` whose shards are the target's
+    (each split g = gcd(m, n) ways, for m devices of `mesh` and n target devices of the process),
+    then copied shard for shard, device to device, onto the target devices, and there split the
+    rest of the way (when g < n). Never through the host; a fresh copy, whatever becomes of `tree`.
     """
-    if jax.process_count() == 1:
-        return tree
-    stacked = process_mesh(mesh)
-    copied = jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(stacked, s.spec), shardings))
+    target = jax.tree.leaves(shardings)[0].mesh
+    own = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if set(own) == set(target.devices.flat):
+        return tree if jax.process_count() == 1 else _localized(tree, mesh, shardings)
+    if target.shape["data"] != 1 or target.shape["tensor"] != 1:
+        raise ValueError(f"to_local copies onto a mesh with fsdp over all its devices, got {dict(target.shape)}")
+    g = math.gcd(len(own), target.size)
+    staged = _localized(tree, mesh, _on(local_mesh(mesh, fsdp=g), shardings), fsdp=g)
+    landed = jax.device_put(staged, _on(Mesh(target.devices.reshape(-1, g, 1), AXES, axis_types=target.axis_types), shardings))
+    return landed if g == target.size else _reshard(landed, shardings)
+
+
+def _reshard(tree: Any, shardings: Any) -> Any:
+    """`tree` laid out by `shardings` over the same devices, moved device to device: a jitted
+    identity where both list the devices alike (`jax.device_put` would go through the host on one
+    process), else `jax.device_put` (which reorders them first)."""
+    before, after = jax.tree.leaves(tree)[0].sharding, jax.tree.leaves(shardings)[0]
+    if list(before.mesh.devices.flat) == list(after.mesh.devices.flat):
+        return jax.jit(_identity, out_shardings=shardings)(tree)
+    return jax.device_put(tree, shardings)
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+def _on(mesh: jax.sharding.Mesh, shardings: Any) -> Any:
+    """`shardings`' specs over `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s.spec), shardings)
+
+
+def _localized(tree: Any, mesh: jax.sharding.Mesh, shardings: Any, fsdp: int | None = None) -> Any:
+    """`tree` (global arrays over `mesh`) laid out by `shardings` (over this process's row of
+    `process_mesh(mesh, fsdp)`), on every process at once: arrays of this process's devices."""
+    copied = _reshard(tree, _on(process_mesh(mesh, fsdp), shardings))
 
     def localize(x: jax.Array, sharding: NamedSharding) -> jax.Array:
         by_device = {s.device: s.data for s in x.addressable_shards}
