@@ -134,16 +134,17 @@ def sampler_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     return make_mesh(1, -1, 1, devices=placement(config)[1])
 
 
-def local_policy(config: ml_collections.ConfigDict, job: Job, params):
+def local_policy(config: ml_collections.ConfigDict, job: Job, params, own: bool = False):
     """The policy weights this process's sampler reads, made after every update (every process
     calls it). Sharing one process's devices with the trainer: `params` as they are (the sampler
     makes its compute-dtype copy on the same mesh). Otherwise a compute-dtype copy without the
     value head, cast on the trainer's shards and then moved to this process's sampler devices in
     the sampler's layout (each device gets its shard, `distributed.to_local`): never a float32 or
     whole replica per device. On devices of its own the copy is new buffers the trainer may
-    donate `params` under."""
+    donate `params` under; `own` asks for new buffers in every case (a sampler that reads them
+    while the next update runs: asynchronous RL)."""
     if jax.process_count() == 1 and config.rollout.get("sampler_devices", 0) == 0:
-        return params
+        return jax.tree.map(jnp.copy, params) if own else params
     policy = {name: p for name, p in params.items() if name != "value_head"}  # the sampler never reads the critic
     policy = _cast(jnp.dtype(config.model.compute_dtype))(policy)
     return distributed.to_local(policy, job.mesh, partition.param_shardings(policy, job.sampler_mesh))

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from agentgym_jax.config import ConfigError
@@ -45,7 +44,8 @@ from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.stream import GroupSpec, GroupStream, PlayedGroup, PolicyWeights, StreamTimes
 from agentgym_jax.rollout.trajectory import Trajectory
 
-Policy = Callable[[], Any]  # the weights the sampler reads now (`setup.local_policy` of the train state)
+Policy = Callable[[], Any]  # the weights the sampler reads now (`setup.local_policy` of the train state;
+# new buffers, `own=True`, for a source that `needs_own_weights`: the next update donates the state)
 STALE_GROUPS = ("drop", "resample")
 _STREAM_KEY = 0x53545245  # the stream's draws: apart from every synchronous step's fold_in(seed, step)
 
@@ -101,6 +101,8 @@ def async_settings(config: ml_collections.ConfigDict, corrects_off_policy: bool)
 class Synchronous:
     """Step s plays its own tasks with the current weights (today's loop)."""
 
+    needs_own_weights = False  # done with them before the update
+
     def __init__(self, plan: StepPlan, engine: RolloutEngine):
         self.plan, self.engine = plan, engine
 
@@ -130,6 +132,8 @@ class Synchronous:
 class Asynchronous:
     """Episodes from a `GroupStream` at most `max_staleness` updates behind. See the module docstring."""
 
+    needs_own_weights = True  # the stream reads them while the trainer's next update runs
+
     def __init__(self, plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]):
         self.plan, self.engine, self.settings = plan, engine, settings
         self.rng = jax.random.fold_in(jax.random.PRNGKey(plan.seed), _STREAM_KEY)
@@ -153,7 +157,7 @@ class Asynchronous:
         start = time.time()
         if self._weights is None:  # the first step of this process: the stream starts
             self._version = step
-            self._weights = PolicyWeights(_copy(policy()), step)
+            self._weights = PolicyWeights(policy(), step)
             if not self.settings.lock_step:
                 self._stream = GroupStream(self.engine, self._weights, self.rng, self._times)
                 self._future = self.engine.submit(self._stream.play(self._feed, self._finished.put))
@@ -174,7 +178,7 @@ class Asynchronous:
         }
 
     def updated(self, version: int, policy: Policy) -> None:
-        weights = _copy(policy())  # the next update donates the train state; the sampler keeps its own
+        weights = policy()
         with self._lock:
             self._version = version
         self._weights.publish(weights, version)
@@ -253,10 +257,6 @@ class Asynchronous:
 def of(plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]) -> Synchronous | Asynchronous:
     """The episodes' source the settings ask for (`position`: a checkpoint's, {} on a fresh start)."""
     return Asynchronous(plan, engine, settings, position) if settings.max_staleness else Synchronous(plan, engine)
-
-
-def _copy(tree: Any) -> Any:
-    return jax.tree.map(jnp.copy, tree)
 
 
 def _minus(a: StreamTimes, b: StreamTimes) -> StreamTimes:

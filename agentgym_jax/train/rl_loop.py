@@ -64,8 +64,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         held_out = play.HeldOut.of(config, job, model, framing)
         train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
 
-        def local_policy(state):  # the merged policy on this process's devices
-            return setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen))
+        def local_policy(state, own: bool = False):  # the merged policy on this process's sampler devices
+            return setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen), own)
 
         # Resume, or warm start: SFT on the successful demonstrations, the frozen reference, evaluation before RL.
         if resuming:
@@ -106,7 +106,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         stack.callback(source.close)
         step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
-            trajectories, rollout_metrics = source.take(step, lambda: local_policy(state))
+            trajectories, rollout_metrics = source.take(step, lambda: local_policy(state, source.needs_own_weights))
             trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
@@ -120,7 +120,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
                 update_metrics = {**update_metrics, **critic_metrics}
             update_metrics = jax.device_get(update_metrics)
             update_s = time.time() - t1
-            source.updated(step + 1, lambda: local_policy(state))
+            source.updated(step + 1, lambda: local_policy(state, source.needs_own_weights))
             step_s, step_start = time.time() - step_start, time.time()
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             sampler_busy_s, sampler_wait_s = rollout_metrics.pop("sampler_busy_s"), rollout_metrics.pop("sampler_wait_s")
