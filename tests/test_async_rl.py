@@ -163,12 +163,14 @@ def test_bad_async_settings_are_one_line_config_errors():
         rl_episodes.async_settings(config, corrects_off_policy=False)
 
 
-ASYNC = {"rollout.max_staleness": 1, "rollout.num_slots": 4, "rollout.lock_step": False, "algo.decoupled_ppo": True}
+# Overlapped, one update behind at most, the sampler on 4 of the 8 simulated devices and the trainer on the others.
+ASYNC = {"rollout.max_staleness": 1, "rollout.num_slots": 4, "rollout.lock_step": False, "algo.decoupled_ppo": True,
+         "rollout.sampler_devices": 4}
 
 
 @pytest.mark.slow
 def test_an_overlapped_job_killed_mid_run_resumes_and_trains_on_no_episode_twice(tmp_path):
-    """The launcher's RL job, sampler and trainer overlapped (k = 1) on real servers: killed after
+    """The launcher's RL job, sampler and trainer overlapped (k = 1) on devices of their own, on real servers: killed after
     step 3 (checkpoint at 2), restarted: every step logged once, every episode recorded once with
     its step, each token at most k versions older than the update that trained on it."""
     workdir = tmp_path / "run"

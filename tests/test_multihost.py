@@ -165,7 +165,7 @@ def _launch(config: str, overrides: dict) -> list[str]:
     ]
 
 
-def _rl_command(workdir: pathlib.Path) -> list[str]:
+def _rl_command(workdir: pathlib.Path, **overrides) -> list[str]:
     """tests/test_rl_job.py's tiny job (one layer), one sample per task at temperature 1, 4 tasks
     (2 per process), one turn per episode; the horizon schedule's stage changes at step 2."""
     return _launch("quickstart.py", {
@@ -179,7 +179,7 @@ def _rl_command(workdir: pathlib.Path) -> list[str]:
         "algo.entropy_coef": 0.1,  # a gradient at every step, whatever the (here all-zero) rewards
         "horizon_schedule.horizons": "(1,1)", "horizon_schedule.steps_per_stage": 2,
         "model.num_layers": 1, "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 8,
-        "tokenizer.vocab_size": 320,
+        "tokenizer.vocab_size": 320, **overrides,
     })
 
 
@@ -238,6 +238,35 @@ def test_rl_on_two_processes_matches_one_process_and_resumes_after_sigkill(tmp_p
     assert p0_groups == {0, 1}  # process 0 played the first half of every step's tasks
     report = json.loads((two / "report.json").read_text())
     assert report["success_after"] == json.loads((one / "report.json").read_text())["success_after"]
+
+
+@pytest.mark.slow
+def test_async_rl_on_two_processes_matches_one_process(tmp_path):
+    """One-step-off, lock-step (`rollout.max_staleness=1`): each process streams its share of every
+    batch's groups, numbered over both; the updates, episodes and stream positions (each process's,
+    in the checkpoint) are those of the same job on one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    overrides = {"train.steps": 3, "rollout.max_staleness": 1, "rollout.num_slots": 4, "algo.decoupled_ppo": True}
+    with Processes(_rl_command(one, **overrides), tmp_path / "logs_one", 1) as reference:
+        with Processes(_rl_command(two, **overrides), tmp_path / "logs_two", 2) as job:
+            job.wait(600)
+        reference.wait(600)
+    a, b = _metrics(one), _metrics(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [a[s]["staleness_max"] for s in a] == [0, 1, 1]
+    for step in a:
+        for key in a[step]:
+            atol = 1e-5 if key == "grad_norm" else 1e-6
+            np.testing.assert_allclose(b[step][key], a[step][key], rtol=1e-4, atol=atol, err_msg=f"step {step} {key}")
+    ea = _episodes([one / "trajectories.jsonl"])
+    eb = _episodes([two / "trajectories.p0.jsonl", two / "trajectories.p1.jsonl"])
+    assert ea == eb and len(ea) == 4 * 3
+    assert {g for _, g, _ in _episodes([two / "trajectories.p0.jsonl"])} == {0, 1, 4, 5, 8, 9}  # its half of each batch
+    def pending(workdir: pathlib.Path) -> list[tuple[int, list[int]]]:  # each process's stream after step 2
+        meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+        return [(e["next_batch"], [g["index"] for g in e["pending"]]) for e in meta["episodes"]]
+
+    assert pending(one) == [(3, [8, 9, 10, 11])] and pending(two) == [(3, [8, 9]), (3, [10, 11])]  # batch 2 in flight
 
 
 def _sft_data(path: pathlib.Path) -> None:
