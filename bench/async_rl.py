@@ -44,7 +44,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -53,7 +52,7 @@ sys.path.insert(0, str(REPO))
 from agentgym_jax.envs.launcher import LocalServers  # noqa: E402
 from bench import latency_env  # noqa: E402
 
-MODES = {"sync": 0, "one-step-off": 1, "async (k=2)": 2}  # name -> rollout.max_staleness
+MODES = {0: "sync", 1: "one-step-off", 2: "async (k=2)"}  # rollout.max_staleness -> name
 PROFILE_ENVS = {"miniwob": "MiniWoBLatencyEnv", "miniwob_8": "MiniWoB8LatencyEnv", "sciworld": "SciWorldLatencyEnv",
                 "code": "CodeLatencyEnv"}
 IDLE_KEYS = ("sampler_idle_fraction", "trainer_idle_fraction", "env_wait_fraction")
@@ -85,59 +84,75 @@ def job_overrides(profile: str, url: str, steps: int, max_staleness: int, workdi
         "rollout.max_staleness": max_staleness,
         "rollout.stale_groups": "drop",
         "algo.decoupled_ppo": True,
-        "algo.ppo_epochs": 2,
+        "algo.ppo_epochs": 4,  # the update about as long as the rollout (see the docstring)
         "algo.num_minibatches": 2,
     }
 
 
+class Tail:
+    """The complete lines appended to a file since the last call, each stamped when first seen."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def read(self) -> list[tuple[float, str]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        now = time.monotonic()
+        *lines, self.partial = (self.partial + chunk).split("\n")
+        return [(now, line) for line in lines]
+
+
 @dataclasses.dataclass
 class Run:
-    """One mode's job: its metrics lines and when the bench saw each appear (monotonic seconds)."""
+    """One mode's job: its metrics lines, when the bench saw each appear, and when each of its XLA
+    compilations finished (monotonic seconds; persistent-cache hits are not compilations)."""
 
     mode: str
     records: list[dict]
     seen_s: list[float]
+    compiled_s: list[float]
     wall_s: float  # the whole job, start-up and compilation included
 
 
-def run_job(mode: str, overrides: dict[str, object], log_path: pathlib.Path) -> Run:
-    """Launches the job (8 simulated devices) and stamps each metrics line as it is written."""
+def run_job(mode: str, overrides: dict[str, object], log_path: pathlib.Path, cache: pathlib.Path) -> Run:
+    """Launches the job (8 simulated devices, a persistent compilation cache shared by every run)
+    and stamps each metrics line and each compilation in its log as they are written."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_LOG_COMPILES": "1"}
     cmd = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py"]
     cmd += [f"--config.{key}={value}" for key, value in overrides.items()]
-    metrics_path = pathlib.Path(overrides["workdir"]) / "metrics.jsonl"
-    records: list[dict] = []
-    seen_s: list[float] = []
+    metrics, log = Tail(pathlib.Path(overrides["workdir"]) / "metrics.jsonl"), Tail(log_path)
+    records, seen_s, compiled_s = [], [], []
+    cache_hit = False
+
+    def collect() -> None:
+        nonlocal cache_hit
+        for now, line in metrics.read():
+            records.append(json.loads(line))
+            seen_s.append(now)
+        for now, line in log.read():
+            if "Finished XLA compilation" in line and not cache_hit:
+                compiled_s.append(now)
+            cache_hit = "Persistent compilation cache hit" in line
+
     start = time.monotonic()
-    with open(log_path, "w") as log:
-        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def watch() -> None:  # a line is written and fsynced by the job once per step
-            offset, partial = 0, ""
-            while not done.is_set() or offset < (metrics_path.stat().st_size if metrics_path.exists() else 0):
-                if metrics_path.exists():
-                    with open(metrics_path) as f:
-                        f.seek(offset)
-                        chunk = f.read()
-                        offset = f.tell()
-                    now = time.monotonic()
-                    *lines, partial = (partial + chunk).split("\n")
-                    for line in lines:
-                        records.append(json.loads(line))
-                        seen_s.append(now)
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        code = job.wait()
-        done.set()
-        watcher.join()
-    if code != 0:
-        raise RuntimeError(f"{mode}: the job exited with code {code}; its output: {log_path}\n"
+    with open(log_path, "w") as out:
+        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while job.poll() is None:
+            collect()
+            time.sleep(0.02)
+        collect()
+    if job.returncode != 0:
+        raise RuntimeError(f"{mode}: the job exited with code {job.returncode}; its output: {log_path}\n"
                            + log_path.read_text()[-3000:])
-    return Run(mode, records, seen_s, time.monotonic() - start)
+    return Run(mode, records, seen_s, compiled_s, time.monotonic() - start)
 
 
 @dataclasses.dataclass
@@ -145,6 +160,7 @@ class Rates:
     steps: int
     episodes_per_s: float
     tokens_per_s: float
+    compilations: int  # XLA compilations inside the timed steps (0 when the warm-up compiled every shape)
     rollout_s: float  # the job's own, mean per timed step
     update_s: float
     idle: dict[str, float | None]  # the async job's idle fractions, mean per timed step (None: not logged)
@@ -152,16 +168,18 @@ class Rates:
 
 
 def rates(run: Run, skip: int) -> Rates:
-    """Rates over the steps after the first `skip` (compilation), timed by the bench's stamps."""
+    """Rates over the steps after the first `skip`, timed by the bench's stamps: from the line of
+    step `skip` to the last line."""
     if len(run.records) <= skip + 1:
         raise RuntimeError(f"{run.mode}: {len(run.records)} steps logged, need more than --skip={skip} + 1")
     timed = run.records[skip + 1:]
-    wall = run.seen_s[-1] - run.seen_s[skip]
+    first, last = run.seen_s[skip], run.seen_s[-1]
     episodes = [sum(v for k, v in r.items() if k.startswith("status/")) for r in timed]
     tokens = sum(r.get("response_tokens", 0.0) * n for r, n in zip(timed, episodes))
     mean = lambda key: sum(r[key] for r in timed) / len(timed) if all(key in r for r in timed) else None  # noqa: E731
     return Rates(
-        steps=len(timed), episodes_per_s=sum(episodes) / wall, tokens_per_s=tokens / wall,
+        steps=len(timed), episodes_per_s=sum(episodes) / (last - first), tokens_per_s=tokens / (last - first),
+        compilations=sum(first < t <= last for t in run.compiled_s),
         rollout_s=mean("rollout_s") or 0.0, update_s=mean("update_s") or 0.0,
         idle={key: mean(key) for key in IDLE_KEYS}, stale_dropped=mean("stale_dropped"),
     )
@@ -171,39 +189,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="miniwob_8", choices=sorted(PROFILE_ENVS))
     parser.add_argument("--steps", type=int, default=8, help="RL steps per mode")
-    parser.add_argument("--skip", type=int, default=2, help="first steps left out of the timing (compilation)")
-    parser.add_argument("--out", default="/tmp/bench_async_rl", help="workdirs, one per mode (started afresh)")
+    parser.add_argument("--skip", type=int, default=1, help="first steps left out of the timing")
+    parser.add_argument("--warmup_steps", type=int, default=4,
+                        help="steps of an untimed synchronous run first, filling the compilation cache (0: none)")
+    parser.add_argument("--staleness", default="0,1,2", help="the modes to run (rollout.max_staleness values)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another config override for every run, e.g. --set algo.ppo_epochs=4")
+    parser.add_argument("--out", default="/tmp/bench_async_rl", help="workdirs (started afresh) and the compilation cache")
     args = parser.parse_args()
-    out = pathlib.Path(args.out)
+    out, cache = pathlib.Path(args.out), pathlib.Path(args.out) / "jax_cache"
     p = latency_env.PROFILES[args.profile]
     print(f"profile {args.profile}: step latency lognormal median {1e3 * p.median_s:.1f} ms, sigma {p.sigma:.3f}, "
-          f"clipped at {1e3 * p.max_s:.1f} ms (measured p50/p90/p99 {1e3 * p.p50_s:.1f}/{1e3 * p.p90_s:.1f}/"
-          f"{1e3 * p.p99_s:.1f} ms); episodes of 1-{latency_env.MAX_TURNS} turns", flush=True)
+          f"clipped at {1e3 * p.max_s:.1f} ms (measured at {p.sessions} session(s): p50/p90/p99 {1e3 * p.p50_s:.1f}/"
+          f"{1e3 * p.p90_s:.1f}/{1e3 * p.p99_s:.1f} ms); episodes of 1-{latency_env.MAX_TURNS} turns", flush=True)
+    runs = [("warm-up", 0, args.warmup_steps)] if args.warmup_steps else []
+    runs += [(MODES[int(k)], int(k), args.steps) for k in args.staleness.split(",")]
     results: dict[str, Rates] = {}
     with LocalServers([f"bench.latency_env:{PROFILE_ENVS[args.profile]}"]) as server:
-        url = server.servers[0].url
-        for mode, staleness in MODES.items():
-            workdir = out / f"staleness{staleness}"
+        for mode, staleness, steps in runs:
+            name = mode.split()[0]
+            workdir = out / name
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(parents=True)
-            overrides = job_overrides(args.profile, url, args.steps, staleness, workdir)
-            run = run_job(mode, overrides, out / f"staleness{staleness}.log")
-            results[mode] = rates(run, args.skip)
-            r = results[mode]
-            print(f"[{mode}] {len(run.records)} steps in {run.wall_s:.0f} s; timed {r.steps}: rollout_s "
-                  f"{r.rollout_s:.2f}, update_s {r.update_s:.2f} per step (the job's own)", flush=True)
+            overrides = job_overrides(args.profile, server.servers[0].url, steps, staleness, workdir)
+            overrides.update(item.split("=", 1) for item in args.set)
+            run = run_job(mode, overrides, out / f"{name}.log", cache)
+            print(f"[{mode}] {len(run.records)} steps in {run.wall_s:.0f} s, {len(run.compiled_s)} compilations",
+                  flush=True)
+            if mode != "warm-up":
+                results[mode] = rates(run, args.skip)
 
     sync = results["sync"].episodes_per_s
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print(f"{'mode':<13} {'steps':>5} {'episodes/s':>10} {'tokens/s':>9} {'rollout_s':>9} {'update_s':>8} "
-          f"{'sampler_idle':>12} {'trainer_idle':>12} {'env_wait':>8} {'stale_dropped':>13} {'speedup':>7}")
+    print(f"{'mode':<13} {'steps':>5} {'episodes/s':>10} {'tokens/s':>9} {'compiles':>8} {'rollout_s':>9} "
+          f"{'update_s':>8} {'sampler_idle':>12} {'trainer_idle':>12} {'env_wait':>8} {'stale_dropped':>13} {'speedup':>7}")
     for mode, r in results.items():
-        print(f"{mode:<13} {r.steps:>5} {r.episodes_per_s:>10.2f} {r.tokens_per_s:>9.1f} {r.rollout_s:>9.2f} "
-              f"{r.update_s:>8.2f} {fmt(r.idle['sampler_idle_fraction']):>12} {fmt(r.idle['trainer_idle_fraction']):>12} "
-              f"{fmt(r.idle['env_wait_fraction']):>8} {fmt(r.stale_dropped):>13} {r.episodes_per_s / sync:>7.2f}")
-    k2, k1 = results["async (k=2)"], results["one-step-off"]
-    print(f"summary: async_speedup={k2.episodes_per_s / sync:.2f} one_step_off_speedup={k1.episodes_per_s / sync:.2f} "
-          f"stale_dropped={fmt(k2.stale_dropped)}")
+        print(f"{mode:<13} {r.steps:>5} {r.episodes_per_s:>10.2f} {r.tokens_per_s:>9.1f} {r.compilations:>8} "
+              f"{r.rollout_s:>9.2f} {r.update_s:>8.2f} {fmt(r.idle['sampler_idle_fraction']):>12} "
+              f"{fmt(r.idle['trainer_idle_fraction']):>12} {fmt(r.idle['env_wait_fraction']):>8} "
+              f"{fmt(r.stale_dropped):>13} {r.episodes_per_s / sync:>7.2f}")
+    s = results["sync"]
+    print(f"sync: rollout {s.rollout_s:.2f} s, update {s.update_s:.2f} s a step; overlapping them at best gives "
+          f"{(s.rollout_s + s.update_s) / max(s.rollout_s, s.update_s):.2f}x")
+    speedup = lambda k: fmt(results[MODES[k]].episodes_per_s / sync if MODES[k] in results else None)  # noqa: E731
+    print(f"summary: async_speedup={speedup(2)} one_step_off_speedup={speedup(1)} "
+          f"stale_dropped={fmt(results[MODES[2]].stale_dropped if MODES[2] in results else None)}")
 
 
 if __name__ == "__main__":
