@@ -9,18 +9,25 @@ reward. Every `/step` sleeps `step_latency(profile, task, turn)` seconds, drawn 
 lognormal (fixed per task and turn, so every run sees the same delays), on the server's thread
 pool (`blocking = True`): concurrent sessions wait side by side, as on a real engine's server.
 
-The profiles are our own servers' `/step` latencies at one session, oracle actions replayed
-(`bench/env_server.py`'s recording), fitted by maximum likelihood (median = exp(mean log x),
-sigma = std log x). Measured on 2026-12-05 on the 2-core CPU machine (load average below 1.5, no
-other job stepping an environment), with
+The profiles are our own servers' `/step` latencies, oracle actions replayed by `--sessions`
+concurrent sessions (`bench/env_server.py`'s recording and replay), fitted by maximum likelihood
+(median = exp(mean log x), sigma = std log x; `--measure` prints the fit's p90/p99 beside the
+measured ones). Measured on 2026-12-04 on the 2-core AMD EPYC machine, shared with other jobs:
 
-    python bench/latency_env.py --measure=miniwob,sciworld,code
+- `miniwob`: MiniWoB++ in headless Chromium 156, one session (a browser step: act on the page,
+  let it run, render it to text); `--measure=miniwob --tasks=16` (load average ~1.2).
+- `miniwob_8`: the same server stepped by 8 sessions at once, 8 browsers on the 2 cores: what a
+  browser server with 4 sessions per core answers; `--measure=miniwob --tasks=30 --sessions=8`
+  (load average 6 rising to 25, our browsers among it).
+- `sciworld`: ScienceWorld's JVM engine, one session (steps of the `boil` tasks' gold paths);
+  `--measure=code,sciworld --tasks=8` (load average ~4.6), as for
+- `code`: the code environment's bubblewrap sandbox, one session: `write` a file (~1 ms), `run`
+  and `submit` start Python test programs (~30 ms), so the lognormal fits a two-humped
+  distribution loosely (fit p50 13 ms, measured 27 ms): a tool call that executes code.
 
-- `miniwob`: MiniWoB++ in headless Chromium 156 (a browser step: act on the page, wait for it,
-  render it to text);
-- `sciworld`: ScienceWorld's JVM engine (a simulator step of the `boil` tasks' gold paths);
-- `code`: the code environment's sandbox (bubblewrap; `write` a file, `run` and `submit` start
-  Python test programs): a tool call that executes code.
+Every `--measure` run replays for `--seconds` (60) per environment:
+
+    python bench/latency_env.py --measure=miniwob,sciworld,code [--sessions=8] [--tasks=16]
 """
 
 from __future__ import annotations
@@ -182,13 +189,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="timed replay per environment")
     parser.add_argument("--sessions", type=int, default=1, help="concurrent sessions replaying")
     args = parser.parse_args()
-    print(f"{'profile':>9} {'steps':>6} {'p50_ms':>8} {'p90_ms':>8} {'p99_ms':>8} {'max_ms':>8} "
-          f"{'median_ms':>9} {'sigma':>6}", flush=True)
+    print(f"{'profile':>10} {'steps':>6} {'p50_ms':>8} {'p90_ms':>8} {'p99_ms':>8} {'max_ms':>8} "
+          f"{'median_ms':>9} {'sigma':>6} {'fit_p90_ms':>10} {'fit_p99_ms':>10}", flush=True)
     for env in args.measure.split(","):
         p = fit(measure(env, args.tasks, args.seconds, args.sessions), args.sessions)
-        print(f"{env:>9} {p.steps:>6} {1e3 * p.p50_s:>8.1f} {1e3 * p.p90_s:>8.1f} {1e3 * p.p99_s:>8.1f} "
-              f"{1e3 * p.max_s:>8.1f} {1e3 * p.median_s:>9.1f} {p.sigma:>6.3f}", flush=True)
-        print(f"    {env!r}: {p!r},", flush=True)
+        name = env if args.sessions == 1 else f"{env}_{args.sessions}"
+        fitted = [1e3 * p.median_s * math.exp(p.sigma * z) for z in (1.2816, 2.3263)]  # standard normal p90, p99
+        print(f"{name:>10} {p.steps:>6} {1e3 * p.p50_s:>8.1f} {1e3 * p.p90_s:>8.1f} {1e3 * p.p99_s:>8.1f} "
+              f"{1e3 * p.max_s:>8.1f} {1e3 * p.median_s:>9.1f} {p.sigma:>6.3f} {fitted[0]:>10.1f} {fitted[1]:>10.1f}",
+              flush=True)
+        print(f"    {name!r}: {p!r},", flush=True)
 
 
 if __name__ == "__main__":
