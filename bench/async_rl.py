@@ -13,9 +13,15 @@ environment is `bench/latency_env.py` on a real local server the three runs shar
 from a profile measured on our own servers (`--profile`: MiniWoB++'s Chromium at 1 or 8 sessions,
 ScienceWorld's JVM, the code sandbox; constants and commands in that file).
 
-Compilation is kept out of the comparison: every run shares a persistent compilation cache under
-`--out`, filled first by an untimed synchronous run of `--warmup_steps`, and the table counts the
-XLA compilations left inside each run's timed steps (`compiles`, from the job's log).
+Compilation is kept out of the comparison: the runs share a persistent compilation cache under
+`--out` (so most shapes compile once, in the first run's untimed first step), and the XLA
+compilations left inside a run's timed steps (`compiles`: new shapes of fills, decodes and
+updates, from the job's log) have their seconds (`compile_s`) taken out of its wall. That is
+exact for the synchronous loop, where nothing runs beside a compilation; an asynchronous run may
+have hidden part of one behind the other thread's work, so the same subtraction favours it by at
+most its `compile_s` (the table shows both). The modes' batches differ in shape (an asynchronous
+step takes the groups that finish first, so its first batch is shorter and pads to another
+length), so no warm-up of one mode covers another's.
 
 Timing is the bench's own: it watches `metrics.jsonl` and stamps each step's line as it appears;
 a mode's wall runs from the line of step `--skip` to the last line. Per mode: steps timed,
@@ -49,6 +55,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -60,11 +67,13 @@ sys.path.insert(0, str(REPO))
 from agentgym_jax.envs.launcher import LocalServers  # noqa: E402
 from bench import latency_env  # noqa: E402
 
+GROUP_SIZE = 4
 MODES = {0: "sync", 1: "one-step-off", 2: "async (k=2)"}  # rollout.max_staleness -> name
 PROFILE_ENVS = {"miniwob": "MiniWoBLatencyEnv", "miniwob_8": "MiniWoB8LatencyEnv", "sciworld": "SciWorldLatencyEnv",
                 "code": "CodeLatencyEnv"}
 # The job's idle fractions of a step's wall (train/rl_loop.py): the sampler computing nothing, the
 # trainer waiting for episodes, the sampler waiting on the environments.
+_COMPILED = re.compile(r"Finished XLA compilation of .* in ([\d.]+) sec")  # jax_log_compiles' line
 IDLE_KEYS = {"sampler_idle": "sampler_idle_fraction", "trainer_idle": "trainer_idle_fraction",
              "env_wait": "sampler_wait_fraction"}
 
@@ -86,7 +95,7 @@ def job_overrides(profile: str, url: str, steps: int, max_staleness: int, workdi
         "horizon_schedule.kind": "fixed",
         "horizon_schedule.horizons": f"({latency_env.MAX_TURNS},)",
         "rollout.batch_tasks": 8,
-        "rollout.group_size": 4,
+        "rollout.group_size": GROUP_SIZE,
         "rollout.num_slots": 32,  # the latency server steps 32 sessions at once (its thread pool)
         "rollout.max_tokens_per_turn": 8,
         "rollout.max_response_length": 512,
@@ -120,13 +129,13 @@ class Tail:
 
 @dataclasses.dataclass
 class Run:
-    """One mode's job: its metrics lines, when the bench saw each appear, and when each of its XLA
-    compilations finished (monotonic seconds; persistent-cache hits are not compilations)."""
+    """One mode's job: its metrics lines and when the bench saw each appear, and its XLA
+    compilations as (when seen, seconds) (monotonic; persistent-cache hits are not compilations)."""
 
     mode: str
     records: list[dict]
     seen_s: list[float]
-    compiled_s: list[float]
+    compilations: list[tuple[float, float]]
     wall_s: float  # the whole job, start-up and compilation included
 
 
@@ -140,7 +149,7 @@ def run_job(mode: str, overrides: dict[str, object], log_path: pathlib.Path, cac
     cmd = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/quickstart.py"]
     cmd += [f"--config.{key}={value}" for key, value in overrides.items()]
     metrics, log = Tail(pathlib.Path(overrides["workdir"]) / "metrics.jsonl"), Tail(log_path)
-    records, seen_s, compiled_s = [], [], []
+    records, seen_s, compilations = [], [], []
     cache_hit = False
 
     def collect() -> None:
@@ -149,8 +158,8 @@ def run_job(mode: str, overrides: dict[str, object], log_path: pathlib.Path, cac
             records.append(json.loads(line))
             seen_s.append(now)
         for now, line in log.read():
-            if "Finished XLA compilation" in line and not cache_hit:
-                compiled_s.append(now)
+            if (took := _COMPILED.search(line)) and not cache_hit:
+                compilations.append((now, float(took[1])))
             cache_hit = "Persistent compilation cache hit" in line
 
     start = time.monotonic()
@@ -163,7 +172,7 @@ def run_job(mode: str, overrides: dict[str, object], log_path: pathlib.Path, cac
     if job.returncode != 0:
         raise RuntimeError(f"{mode}: the job exited with code {job.returncode}; its output: {log_path}\n"
                            + log_path.read_text()[-3000:])
-    return Run(mode, records, seen_s, compiled_s, time.monotonic() - start)
+    return Run(mode, records, seen_s, compilations, time.monotonic() - start)
 
 
 @dataclasses.dataclass
@@ -171,7 +180,8 @@ class Rates:
     steps: int
     episodes_per_s: float
     tokens_per_s: float
-    compilations: int  # XLA compilations inside the timed steps (0 when the warm-up compiled every shape)
+    compilations: int  # XLA compilations inside the timed steps
+    compile_s: float  # their seconds, taken out of the wall
     rollout_s: float  # the job's own, mean per timed step (async: the trainer's wait for episodes)
     update_s: float
     sampler_busy_s: float | None  # the sampler computing, mean per timed step (None: not logged)
@@ -180,13 +190,15 @@ class Rates:
     stale_dropped: float | None  # groups dropped as too stale / groups played to the end, in the timed steps
 
 
-def rates(run: Run, skip: int, group_size: int) -> Rates:
+def rates(run: Run, skip: int) -> Rates:
     """Rates over the steps after the first `skip`, timed by the bench's stamps: from the line of
-    step `skip` to the last line."""
+    step `skip` to the last line, less the compilations in between."""
     if len(run.records) <= skip + 1:
         raise RuntimeError(f"{run.mode}: {len(run.records)} steps logged, need more than --skip={skip} + 1")
     timed = run.records[skip + 1:]
     first, last = run.seen_s[skip], run.seen_s[-1]
+    compiled = [seconds for seen, seconds in run.compilations if first < seen <= last]
+    wall = last - first - sum(compiled)
     episodes = [sum(v for k, v in r.items() if k.startswith("status/")) for r in timed]
     tokens = sum(r.get("response_tokens", 0.0) * n for r, n in zip(timed, episodes))
     for r in timed:
@@ -196,10 +208,10 @@ def rates(run: Run, skip: int, group_size: int) -> Rates:
     stale_dropped = None
     if "stale_dropped" in run.records[-1]:  # a running count of groups
         dropped = run.records[-1]["stale_dropped"] - run.records[skip].get("stale_dropped", 0)
-        stale_dropped = dropped / (dropped + sum(episodes) / group_size)
+        stale_dropped = dropped / (dropped + sum(episodes) / GROUP_SIZE)
     return Rates(
-        steps=len(timed), episodes_per_s=sum(episodes) / (last - first), tokens_per_s=tokens / (last - first),
-        compilations=sum(first < t <= last for t in run.compiled_s),
+        steps=len(timed), episodes_per_s=sum(episodes) / wall, tokens_per_s=tokens / wall,
+        compilations=len(compiled), compile_s=sum(compiled),
         rollout_s=mean("rollout_s") or 0.0, update_s=mean("update_s") or 0.0,
         sampler_busy_s=mean("sampler_busy_s"),
         idle={name: mean(key) for name, key in IDLE_KEYS.items()}, staleness_mean=mean("staleness_mean"),
@@ -212,8 +224,6 @@ def main() -> None:
     parser.add_argument("--profile", default="miniwob_8", choices=sorted(PROFILE_ENVS))
     parser.add_argument("--steps", type=int, default=8, help="RL steps per mode")
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the timing")
-    parser.add_argument("--warmup_steps", type=int, default=4,
-                        help="steps of an untimed synchronous run first, filling the compilation cache (0: none)")
     parser.add_argument("--staleness", default="0,1,2", help="the modes to run (rollout.max_staleness values)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another config override for every run, e.g. --set algo.ppo_epochs=4")
@@ -224,30 +234,30 @@ def main() -> None:
     print(f"profile {args.profile}: step latency lognormal median {1e3 * p.median_s:.1f} ms, sigma {p.sigma:.3f}, "
           f"clipped at {1e3 * p.max_s:.1f} ms (measured at {p.sessions} session(s): p50/p90/p99 {1e3 * p.p50_s:.1f}/"
           f"{1e3 * p.p90_s:.1f}/{1e3 * p.p99_s:.1f} ms); episodes of 1-{latency_env.MAX_TURNS} turns", flush=True)
-    runs = [("warm-up", 0, args.warmup_steps)] if args.warmup_steps else []
-    runs += [(MODES[int(k)], int(k), args.steps) for k in args.staleness.split(",")]
     results: dict[str, Rates] = {}
     with LocalServers([f"bench.latency_env:{PROFILE_ENVS[args.profile]}"]) as server:
-        for mode, staleness, steps in runs:
-            name = mode.split()[0]
+
+        def launch(name: str, staleness: int, steps: int) -> Run:
             workdir = out / name
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(parents=True)
             overrides = job_overrides(args.profile, server.servers[0].url, steps, staleness, workdir)
             overrides.update(item.split("=", 1) for item in args.set)
-            run = run_job(mode, overrides, out / f"{name}.log", cache)
-            print(f"[{mode}] {len(run.records)} steps in {run.wall_s:.0f} s, {len(run.compiled_s)} compilations",
-                  flush=True)
-            if mode != "warm-up":
-                results[mode] = rates(run, args.skip, int(overrides["rollout.group_size"]))
+            run = run_job(MODES[staleness], overrides, out / f"{name}.log", cache)
+            print(f"[{MODES[staleness]}] {name}: {len(run.records)} steps in {run.wall_s:.0f} s, "
+                  f"{len(run.compilations)} compilations", flush=True)
+            return run
+
+        for staleness in (int(k) for k in args.staleness.split(",")):
+            results[MODES[staleness]] = rates(launch(f"staleness{staleness}", staleness, args.steps), args.skip)
 
     sync = results["sync"].episodes_per_s
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print(f"{'mode':<13} {'steps':>5} {'episodes/s':>10} {'tokens/s':>9} {'compiles':>8} {'rollout_s':>9} "
+    print(f"{'mode':<13} {'steps':>5} {'episodes/s':>10} {'tokens/s':>9} {'compiles':>8} {'compile_s':>9} {'rollout_s':>9} "
           f"{'update_s':>8} {'sampler_idle':>12} {'trainer_idle':>12} {'env_wait':>8} {'staleness':>9} "
           f"{'stale_dropped':>13} {'speedup':>7}")
     for mode, r in results.items():
-        print(f"{mode:<13} {r.steps:>5} {r.episodes_per_s:>10.2f} {r.tokens_per_s:>9.1f} {r.compilations:>8} "
+        print(f"{mode:<13} {r.steps:>5} {r.episodes_per_s:>10.2f} {r.tokens_per_s:>9.1f} {r.compilations:>8} {r.compile_s:>9.1f} "
               f"{r.rollout_s:>9.2f} {r.update_s:>8.2f} {fmt(r.idle['sampler_idle']):>12} {fmt(r.idle['trainer_idle']):>12} "
               f"{fmt(r.idle['env_wait']):>8} {fmt(r.staleness_mean):>9} {fmt(r.stale_dropped):>13} "
               f"{r.episodes_per_s / sync:>7.2f}")
