@@ -1,6 +1,6 @@
 """Asynchronous RL: the same job synchronously, one step off and two steps off, side by side.
 
-    python bench/async_rl.py                      # profile miniwob_8, 8 RL steps per mode: ~8 minutes
+    python bench/async_rl.py                      # profile miniwob_8, 8 RL steps per mode: ~6-7 minutes
     python bench/async_rl.py --profile=miniwob --steps=6 --out=/tmp/async_rl --set algo.ppo_epochs=2
 
 One RL job (`configs/quickstart.py` with the overrides in `job_overrides`: a tiny random policy, no
