@@ -117,12 +117,12 @@ class LatencyEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         self.turn += 1
-        time.sleep(step_latency(self.profile, self.task, self.turn))
+        latency = step_latency(self.profile, self.task, self.turn)
+        time.sleep(latency)
         self.solved = GOAL in action.lower()
         done = self.solved or self.turn >= self.turns
         self.text = "solved" if self.solved else "out of turns" if done else self._observation()
-        return self.result(self.text, float(self.solved), done, False, turn_latency_s=step_latency(
-            self.profile, self.task, self.turn))
+        return self.result(self.text, float(self.solved), done, False, turn_latency_s=latency)
 
     def _observation(self) -> str:
         return f"task {self.task}: turn {self.turn + 1} of {self.turns}. Say the word."
