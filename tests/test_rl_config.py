@@ -18,12 +18,15 @@ from absl import flags
 from ml_collections import config_flags
 
 from agentgym_jax.config import ConfigError
+from agentgym_jax.envs.protocol import TaskInfo
+from agentgym_jax.job import play, setup
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train import settings
 from agentgym_jax.train.steps import Batching, RLSpec
+from configs import quickstart
 
 MODEL = ModelConfig.small()
 # Keys that do not reach the update itself: the separate critic's folder and learning rate (read
@@ -227,3 +230,22 @@ def test_the_documented_new_estimator_is_one_file_one_entry_and_its_config_key(m
     config.algo.scale = -1.0
     with pytest.raises(ConfigError, match="scale must be > 0, got -1.0"):
         settings.update(config, MODEL, objective="rl")
+
+
+def test_a_job_without_held_out_tasks_is_refused_before_it_trains():
+    config = quickstart.get_config()
+    config.eval.num_tasks = 0
+    with pytest.raises(ConfigError, match="eval.num_tasks must be >= 1"):
+        play.HeldOut.of(config, None, None, None)
+
+
+def test_a_job_finds_its_servers_by_the_configs_name_for_the_environment():
+    """`env.name=module:Class` starts servers under that name; the server calls itself by its own."""
+    info = TaskInfo(env="ragged", instruction="", success_threshold=1.0, splits={"train": [0], "test": []}, num_tasks=1)
+    config = quickstart.get_config()
+    job = setup.Job(None, None, None, config.env, {"bench.ragged_env:RaggedLengthEnv": ["http://127.0.0.1:1"]},
+                    {"bench.ragged_env:RaggedLengthEnv": info})
+    assert job.pool().urls == ["http://127.0.0.1:1"]
+    two = dataclasses.replace(job, infos={**job.infos, "room": info}, urls={**job.urls, "room": []})
+    with pytest.raises(ValueError, match="the job has 2 environments"):
+        two.pool()

@@ -179,6 +179,8 @@ class HeldOut:
 
     @classmethod
     def of(cls, config: ml_collections.ConfigDict, job: Job, model: ModelConfig, framing: ChatFraming) -> HeldOut:
+        if config.eval.num_tasks < 1:
+            raise ConfigError(f"eval.num_tasks must be >= 1 (the report compares held-out success), got {config.eval.num_tasks}")
         rollout = settings.rollout(config, temperature=config.eval.temperature, group_size=1)
         return cls(config, job, framing, make_sampler(config, model, framing, rollout), rollout)
 

@@ -76,8 +76,12 @@ class Job:
         return next(iter(self.infos.values()))
 
     def pool(self, env: str | None = None) -> EnvPool:
-        """An (unopened) pool over this process's servers of `env` (None: the job's one environment)."""
-        return make_pool(self.env, self.urls[env or self.info.env])
+        """An (unopened) pool over this process's servers of `env` (None: the job's one environment;
+        servers are found by the config's name for it, e.g. `module:Class`, not the server's)."""
+        if env is None:
+            _ = self.info  # a job of one environment (more raise here, naming them)
+            env = next(iter(self.infos))
+        return make_pool(self.env, self.urls[env])
 
 
 @contextlib.contextmanager
