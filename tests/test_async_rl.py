@@ -28,6 +28,7 @@ from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.stream import GroupSpec, GroupStream, PlayedGroup, PolicyWeights
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl
 from agentgym_jax.train import rl_episodes
+from agentgym_jax.train import settings as train_settings
 from agentgym_jax.train.metrics import read_metrics
 from configs import quickstart
 from tests.rl_runs import REPO, TINY_RL_JOB, launch_command
@@ -147,7 +148,7 @@ def test_bad_async_settings_are_one_line_config_errors():
     def settings(**rollout):
         config = quickstart.get_config()
         config.rollout.update(rollout)
-        return rl_episodes.async_settings(config, corrects_off_policy=True)
+        return train_settings.async_rollout(config, corrects_off_policy=True)
 
     assert settings() == rl_episodes.AsyncSettings(0, "drop", True)
     assert settings(max_staleness=2, num_slots=8, lock_step=False) == rl_episodes.AsyncSettings(2, "drop", False)
@@ -160,7 +161,7 @@ def test_bad_async_settings_are_one_line_config_errors():
     config = quickstart.get_config()
     config.rollout.update(max_staleness=1, num_slots=8)
     with pytest.raises(ConfigError, match="set algo.decoupled_ppo=True"):
-        rl_episodes.async_settings(config, corrects_off_policy=False)
+        train_settings.async_rollout(config, corrects_off_policy=False)
 
 
 # Overlapped, one update behind at most, the sampler on 4 of the 8 simulated devices and the trainer on the others.

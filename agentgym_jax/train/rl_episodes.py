@@ -1,11 +1,11 @@
 """Where each RL step's episodes come from: played for the step, or taken from a stream.
 
-    episodes = rl_episodes.of(config, plan, engine, position=meta)   # Synchronous or Asynchronous
+    episodes = rl_episodes.of(plan, engine, settings.async_rollout(config, ...), position)  # Synchronous or Asynchronous
     for step in ...:
-        trajectories, metrics = episodes.take(step, policy)         # policy(): the sampler's weights
+        trajectories, metrics = episodes.take(step, policy)     # policy(): the sampler's weights
         ... update ...
         episodes.updated(step + 1, policy)
-        meta.update(episodes.position())                           # saved with the checkpoint
+        position = episodes.position()                         # saved with the checkpoint
 
 `Synchronous` (`rollout.max_staleness=0`): step s plays its tasks with the weights of update s,
 then the update runs; the sampler and the environments wait while it does.
@@ -32,9 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 
-from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import play
 from agentgym_jax.parallel.distributed import process_share
@@ -46,7 +44,7 @@ from agentgym_jax.rollout.trajectory import Trajectory
 
 Policy = Callable[[], Any]  # the weights the sampler reads now (`setup.local_policy` of the train state;
 # new buffers, `own=True`, for a source that `needs_own_weights`: the next update donates the state)
-STALE_GROUPS = ("drop", "resample")
+STALE_GROUPS = ("drop", "resample")  # what becomes of a group staler than max_staleness
 _STREAM_KEY = 0x53545245  # the stream's draws: apart from every synchronous step's fold_in(seed, step)
 
 
@@ -82,22 +80,6 @@ class AsyncSettings:
     lock_step: bool = False
 
 
-def async_settings(config: ml_collections.ConfigDict, corrects_off_policy: bool) -> AsyncSettings:
-    """`rollout.max_staleness`, `stale_groups`, `lock_step`; a one-line error for what cannot run."""
-    r = config.rollout
-    k, stale = r.get("max_staleness", 0), r.get("stale_groups", "drop")
-    if not isinstance(k, int) or k < 0:
-        raise ConfigError(f"rollout.max_staleness must be an integer >= 0 (0: synchronous), got {k!r}")
-    if stale not in STALE_GROUPS:
-        raise ConfigError(f"rollout.stale_groups must be one of {', '.join(STALE_GROUPS)}, got {stale!r}")
-    if k and not r.num_slots:
-        raise ConfigError("rollout.max_staleness > 0 streams episodes through continuous batching: set rollout.num_slots > 0")
-    if k and not corrects_off_policy:
-        raise ConfigError("rollout.max_staleness > 0 samples with older weights than the update's: set "
-                          "algo.decoupled_ppo=True (or algo.is_correction=token|sequence) to correct for them")
-    return AsyncSettings(k, stale, bool(r.lock_step))
-
-
 class Synchronous:
     """Step s plays its own tasks with the current weights (today's loop)."""
 
@@ -108,14 +90,15 @@ class Synchronous:
 
     def take(self, step: int, policy: Policy) -> tuple[list[Trajectory], dict[str, float]]:
         tasks, first, pool = self.plan.tasks(step)
+        horizon = self.plan.schedule.horizon(step)
         start = time.time()
         trajectories = self.engine.run(
-            policy(), tasks, self.plan.schedule.horizon(step), jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
+            policy(), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
             policy_version=step, group_offset=first,
         )
         stats = self.engine.last_stats
         return trajectories, {
-            "horizon": self.plan.schedule.horizon(step), "task_pool": pool, "rollout_s": time.time() - start,
+            "horizon": horizon, "task_pool": pool, "rollout_s": time.time() - start,
             "sampler_busy_s": stats.sampler_busy_s, "sampler_wait_s": stats.sampler_wait_s,
         }
 
@@ -164,13 +147,14 @@ class Asynchronous:
         if self.settings.lock_step and (fed := [self._feed()]) != [[]]:  # admitted groups played to their end now
             stream = GroupStream(self.engine, self._weights, self.rng, self._times)
             self.engine.submit(stream.play(lambda: fed.pop() if fed else None, self._finished.put)).result()
-        groups = self._take_groups(len(self.plan.tasks(step)[0]))
+        tasks, _, pool = self.plan.tasks(step)
+        groups = self._take_groups(len(tasks))
         trajectories = [t for g in groups for t in g.trajectories]
         staleness = [step - g.oldest_version for g in groups]
         times, self._times_at_last_take = _minus(self._times, self._times_at_last_take), dataclasses.replace(self._times)
         k = self.settings.max_staleness
         return trajectories, {
-            "horizon": max(g.spec.horizon for g in groups), "task_pool": self.plan.tasks(step)[2],
+            "horizon": max(g.spec.horizon for g in groups), "task_pool": pool,
             "rollout_s": time.time() - start, "sampler_busy_s": times.busy_s, "sampler_wait_s": times.env_wait_s,
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
             **{f"staleness_{v}": sum(s == v for s in staleness) / len(staleness) for v in range(k + 1)},

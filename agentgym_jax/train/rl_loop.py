@@ -101,7 +101,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         rules = settings.batch_filter(config)
         plan = rl_episodes.StepPlan(schedule, curriculum, info, config.rollout.batch_tasks, config.seed, config.train.steps)
         positions = meta.get("episodes") or [{}] * jax.process_count()  # each process's stream, where it stood
-        source = rl_episodes.of(plan, train_engine, rl_episodes.async_settings(config, update.rl.corrects_off_policy),
+        source = rl_episodes.of(plan, train_engine, settings.async_rollout(config, update.rl.corrects_off_policy),
                                 positions[jax.process_index()])
         stack.callback(source.close)
         step_start = time.time()

@@ -3,7 +3,8 @@
 `rl/` holds the pure pieces (estimators and losses in registries with their hyper-parameters,
 schedules, curricula) and knows nothing of configs. Here `config.algo` becomes the update's
 `Forward`, `Batching` and `RLSpec` (`train/steps.py`) and the `BatchFilter`; `config.horizon_schedule` and
-`config.curriculum` their schedules; `config.optim` each phase's optimizer settings. Fields are
+`config.curriculum` their schedules; `config.optim` each phase's optimizer settings; `config.rollout`'s
+asynchronous keys `rl_episodes.AsyncSettings`. Fields are
 read by name, so a config key is the field it sets (`algo.<field>`, and `algo.<hparam>` for each
 hyper-parameter the chosen estimator or loss declares); 0 sets an optional value to "off" (its
 function's default). A bad value is a one-line `ConfigError` naming it (architecture rule 6).
@@ -26,6 +27,7 @@ from agentgym_jax.rl.curriculum import Curriculum
 from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
+from agentgym_jax.train import rl_episodes
 from agentgym_jax.train.steps import Batching, DPOSpec, Forward, RLSpec, UpdateConfig
 
 # Hyper-parameters whose config key is not their name (a bare `epsilon` would say nothing of which).
@@ -128,6 +130,22 @@ def rl_temperature(config: ml_collections.ConfigDict) -> float:
             f"and rollout.top_p 1.0 (off), got top_k={r.top_k}, top_p={r.top_p}"
         )
     return float(r.temperature)
+
+
+def async_rollout(config: ml_collections.ConfigDict, corrects_off_policy: bool) -> rl_episodes.AsyncSettings:
+    """`rollout.max_staleness`, `stale_groups`, `lock_step`; a one-line error for what cannot run."""
+    r = config.rollout
+    k, stale = r.get("max_staleness", 0), r.get("stale_groups", "drop")
+    if not isinstance(k, int) or k < 0:
+        raise ConfigError(f"rollout.max_staleness must be an integer >= 0 (0: synchronous), got {k!r}")
+    if stale not in rl_episodes.STALE_GROUPS:
+        raise ConfigError(f"rollout.stale_groups must be one of {', '.join(rl_episodes.STALE_GROUPS)}, got {stale!r}")
+    if k and not r.num_slots:
+        raise ConfigError("rollout.max_staleness > 0 streams episodes through continuous batching: set rollout.num_slots > 0")
+    if k and not corrects_off_policy:
+        raise ConfigError("rollout.max_staleness > 0 samples with older weights than the update's: set "
+                          "algo.decoupled_ppo=True (or algo.is_correction=token|sequence) to correct for them")
+    return rl_episodes.AsyncSettings(k, stale, bool(r.lock_step))
 
 
 def batch_filter(config: ml_collections.ConfigDict) -> BatchFilter:
