@@ -111,7 +111,8 @@ def test_bad_filter_values_are_config_errors():
 
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
-              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search", "movie"))]
+              *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search", "movie")),
+              *(f"{env}_smollm.py" for env in ("textcraft", "babyai", "maze", "wordle")), "quickstart_async.py"]
 
 
 @pytest.mark.parametrize("name", RL_CONFIGS)
@@ -126,6 +127,7 @@ def test_every_rl_config_builds_its_update_filter_and_schedules(name):
     update = settings.update(config, MODEL, objective="rl")
     settings.batch_filter(config)
     schedule = from_config(config.horizon_schedule)
+    settings.curriculum(config.curriculum)
     assert schedule.horizon(config.train.steps - 1) <= config.eval.horizon  # held out at least the trained horizon
     assert update.batching.updates_per_step >= 1 and config.rollout.max_cache_len > config.rollout.max_response_length
     assert not config.model.get("preset") or config.model.preset in models.PRESETS
