@@ -161,6 +161,8 @@ def test_cpu_recipes_shape_nothing_by_default_and_train_every_stage_equally(env)
     (["--config.env.name=textarena", "--config.env.tasks=game=Chess"], "config error: env.tasks='game=Chess': no textarena task"),
     (["--config.env.name=textcraft", "--config.curriculum.key=depht", "--config.curriculum.max_grades=(1,)"],
      "config error: curriculum.key='depht': the environment's task metadata has no such list; it has: depth"),
+    (["--config.rollout.batch_tasks=1", "--config.rollout.group_size=4", "--config.algo.num_microbatches=3"],
+     "config error: batch of "),  # 4 rows (8 padded over 8 simulated devices) in 3 micro-batches: before SFT
 ])
 def test_a_config_error_found_once_the_job_is_open_ends_in_one_line(tmp_path, overrides, message):
     """The job has started its servers when it reads the task metadata; the error still ends as

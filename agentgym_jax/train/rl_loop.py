@@ -61,6 +61,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         critic = build.critic_states(config, update, mesh, params)  # [] or [PPO's separate critic]
         rl_tx = make_optimizer(settings.rl_optim(config, update.batching.updates_per_step))  # schedule in optimizer updates
         state, step_fns = build.policy_state(config, update, params, mesh, rl_tx, *critic)
+        settings.check_step_rows(config, update, step_fns.padded_rows)  # before SFT, not at the first update
         held_out = play.HeldOut.of(config, job, model, framing)
         train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
 

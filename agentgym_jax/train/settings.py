@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -28,7 +28,7 @@ from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train import rl_episodes
-from agentgym_jax.train.steps import Batching, DPOSpec, Forward, RLSpec, UpdateConfig
+from agentgym_jax.train.steps import Batching, DPOSpec, Forward, RLSpec, UpdateConfig, check_microbatches
 
 # Hyper-parameters whose config key is not their name (a bare `epsilon` would say nothing of which).
 CONFIG_KEYS = {"epsilon": "advantage_epsilon"}
@@ -204,3 +204,15 @@ def check_curriculum(plan: Curriculum, train_ids: Sequence[int], metadata: Mappi
         plan.check(train_ids, metadata)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def check_step_rows(config: ml_collections.ConfigDict, update: UpdateConfig, padded_rows: Callable[[int], int]) -> None:
+    """Refuses, when the job opens, a step's batch (`rollout.batch_tasks x rollout.group_size`
+    rows, padded over the mesh) that the update cannot cut into its mini- and micro-batches,
+    which the first update would otherwise find after SFT and the first rollout."""
+    rows = padded_rows(config.rollout.batch_tasks * config.rollout.group_size)
+    try:
+        check_microbatches(rows, update)
+    except ValueError as e:
+        raise ConfigError(f"{e} (rollout.batch_tasks x rollout.group_size, algo.num_minibatches x "
+                          "algo.num_microbatches)") from e
