@@ -13,7 +13,7 @@ import pytest
 from tests.rl_runs import run_rl_job
 
 # Two SFT updates of 8 demonstrations, 8 held-out tasks, one GRPO step of 1 task x 4 samples at
-# the first horizon (4 turns): the path of the recipe at its smallest.
+# the first horizon (6 turns): the path of the recipe at its smallest.
 SHORT = {
     "sft.num_tasks": 16, "sft.epochs": 1, "eval.num_tasks": 8,
     "train.steps": 1, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 1,

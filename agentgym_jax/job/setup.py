@@ -69,19 +69,21 @@ class Job:
     infos: dict[str, TaskInfo]  # environment -> its task info, process 0's
 
     @property
-    def info(self) -> TaskInfo:
-        """The task info of the job's one environment (training jobs have one)."""
+    def env_name(self) -> str:
+        """The config's name for the job's one environment (training jobs have one), e.g. `module:Class`."""
         if len(self.infos) != 1:
             raise ValueError(f"the job has {len(self.infos)} environments ({', '.join(self.infos)}), not one")
-        return next(iter(self.infos.values()))
+        return next(iter(self.infos))
+
+    @property
+    def info(self) -> TaskInfo:
+        """The task info of the job's one environment."""
+        return self.infos[self.env_name]
 
     def pool(self, env: str | None = None) -> EnvPool:
         """An (unopened) pool over this process's servers of `env` (None: the job's one environment;
-        servers are found by the config's name for it, e.g. `module:Class`, not the server's)."""
-        if env is None:
-            _ = self.info  # a job of one environment (more raise here, naming them)
-            env = next(iter(self.infos))
-        return make_pool(self.env, self.urls[env])
+        servers are found by the config's name for it, not the server's)."""
+        return make_pool(self.env, self.urls[env or self.env_name])
 
 
 @contextlib.contextmanager
