@@ -55,7 +55,8 @@ setuptools.setup(
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
     include_package_data=True,
-    package_data={"agentgym_jax.view": ["static/*"]},  # the trajectory viewer's page
+    # the trajectory viewer's page; BabyAI's stored task grades
+    package_data={"agentgym_jax.view": ["static/*"], "environments.babyai": ["oracle_turns.json"]},
     install_requires=CORE,
     extras_require={"envs": ENVS, "test": ENVS + TEST, "all": ENVS + TEST, "tpu": TPU, "cuda": CUDA},
 )

@@ -27,7 +27,7 @@ from minigrid.core.actions import Actions
 from minigrid.envs.babyai.core.roomgrid_level import RoomGridLevel
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
-from environments.babyai import levels
+from environments.babyai import grades, levels
 from environments.babyai.actions import CHECK, Invalid, available_actions, compile_action, normalize
 from environments.babyai.oracle import Oracle, mission_action
 from environments.babyai.view import Scene, visible_cells
@@ -105,6 +105,7 @@ class BabyAIEnv(Environment):
             splits={"train": list(levels.TRAIN_IDS), "test": list(levels.TEST_IDS)},
             num_tasks=levels.NUM_TASKS,
             metadata={"levels": list(levels.LEVELS),
+                      "oracle_turns": list(grades.oracle_turns()),  # a curriculum's grade (grades.py)
                       "task_rule": "level = levels[data_idx % 40], seed = data_idx // 40"},
         )
 
