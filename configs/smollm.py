@@ -21,9 +21,12 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
   2-5 minutes here, so few steps fit.
 - TextCraft's RL draws depth-1 goals only (`curriculum.key=depth`): goals of every depth at
   horizons 4-6 gave all-failure groups, nothing to learn from (run C), and so did depth-2 goals
-  after SFT (run F); depth-1 goals give mixed ones.
+  after SFT (run F); depth-1 goals give mixed ones. BabyAI's stages draw the tasks the oracle
+  finishes within the stage's horizon (`curriculum.key=oracle_turns`, environments/babyai/grades.py).
 - SFT at 1e-4 for few updates (4 at 5e-5 on the top 6 layers left the model copying the prompt).
   These recipes are a draft: no run of them has yet shown RL adding to the SFT start beyond noise.
+  On BabyAI, SFT teaches the one-action shortcut ("go to red ball 1" with the ball in view) and no
+  search: no held-out or training task of 2+ actions is solved often enough for GRPO to learn from.
 - Sampling at temperature 0.7: at 1.0 the SFT'd model's turns were 94-99% invalid actions (no
   group had a mixed outcome); the RL trainer scores the same tempered distribution.
 Results, commands, seeds and minutes: docs/experiments.md.
