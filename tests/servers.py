@@ -119,11 +119,11 @@ def server_pid(url: str) -> int:
 
 _HEALTH_PROBE = """
 import json, sys, threading, time, urllib.request
-url, interval_s = sys.argv[1], float(sys.argv[2])
+url, interval_s, min_probes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 seconds = []
-while not stop.is_set():
+while not stop.is_set() or len(seconds) < min_probes:
     start = time.monotonic()
     with urllib.request.urlopen(url + "/health", timeout=30) as answer:
         answer.read()
@@ -136,10 +136,11 @@ print(json.dumps(seconds), flush=True)
 
 
 @contextlib.contextmanager
-def health_latencies(url: str, interval_s: float = 0.005) -> Iterator[list[float]]:
+def health_latencies(url: str, interval_s: float = 0.005, min_probes: int = 10) -> Iterator[list[float]]:
     """Polls `/health` every `interval_s` from a separate process (so the test's own work, such as
-    encoding megabytes of JSON, cannot delay it) while the block runs; fills the list on exit."""
-    probe = subprocess.Popen([sys.executable, "-c", _HEALTH_PROBE, url, str(interval_s)],
+    encoding megabytes of JSON, cannot delay it) while the block runs, and on until it has
+    `min_probes` answers (a block that ends quickly still measures something); fills the list on exit."""
+    probe = subprocess.Popen([sys.executable, "-c", _HEALTH_PROBE, url, str(interval_s), str(min_probes)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     seconds: list[float] = []
     try:
