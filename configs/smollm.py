@@ -107,7 +107,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.sft.lr = 1e-4
     if "curriculum" in recipe:
         config.curriculum.key, config.curriculum.max_grades = recipe["curriculum"]
-        config.curriculum.steps_per_stage = config.horizon_schedule.steps_per_stage
+        config.curriculum.steps_per_stage = config.horizon_schedule.steps_per_stage  # stages aligned with the horizon's
     config.optim.lr = 1e-5
     config.algo.kl_coef = 0.05
     config.algo.kl_estimator = "low_var_kl"
