@@ -26,7 +26,10 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
 - SFT at 1e-4 for few updates (4 at 5e-5 on the top 6 layers left the model copying the prompt).
   These recipes are a draft: no run of them has yet shown RL adding to the SFT start beyond noise.
   On BabyAI, SFT teaches the one-action shortcut ("go to red ball 1" with the ball in view) and no
-  search: no held-out or training task of 2+ actions is solved often enough for GRPO to learn from.
+  search: no held-out or training task of 2+ actions is solved often enough for GRPO to learn from
+  (from a one-update start too: its one-action groups are already uniform wins). On Maze, SFT
+  learns the moves' prior ("move down"), not the local rule; on Wordle no game is won after SFT,
+  so no GRPO group is mixed.
 - Sampling at temperature 0.7: at 1.0 the SFT'd model's turns were 94-99% invalid actions (no
   group had a mixed outcome); the RL trainer scores the same tempered distribution.
 Results, commands, seeds and minutes: docs/experiments.md.
