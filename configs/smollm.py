@@ -26,6 +26,7 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
 - SFT at 1e-4 for few updates (4 at 5e-5 on the top 6 layers left the model copying the prompt).
   These recipes are a draft. Greedy held-out success does not move after RL; sampled at 0.7
   (`eval.temperature`), TextCraft's RL adds +5 points over three seeds (p = 0.02), all on depth-1 goals.
+  Three SFT epochs on 88 demonstrations start at 19/64 sampled, and GRPO adds nothing to that (run K).
   On BabyAI, SFT teaches the one-action shortcut ("go to red ball 1" with the ball in view) and no
   search: no held-out or training task of 2+ actions is solved often enough for GRPO to learn from
   (from a one-update start too: its one-action groups are already uniform wins). On Maze, SFT
