@@ -132,12 +132,12 @@ def test_update_weights_the_policy_loss_by_trainer_over_sampler(options, level, 
     from test_train_steps import MODEL, _batch
 
     from agentgym_jax.models.decoder import init_params
-    from agentgym_jax.train import steps
+    from agentgym_jax.train import scoring, steps
 
     config = make_update(MODEL, is_cap=1.2, **options)
     params = init_params(MODEL, jax.random.PRNGKey(0))
     batch = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 1])
-    trainer, _, _ = jax.jit(steps.token_logprobs, static_argnames="forward")(params, batch.tokens, batch.positions, config.forward)
+    trainer, _, _ = jax.jit(scoring.score, static_argnames="forward")(params, batch, config.forward)
     mask = np.asarray(batch.loss_mask) > 0
     sampler = np.asarray(trainer) + np.random.default_rng(0).normal(scale=0.2, size=mask.shape).astype(np.float32)
     batch = batch.replace(old_logprobs=jnp.asarray(sampler))

@@ -23,7 +23,7 @@ from agentgym_jax.models.decoder import forward, init_params
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rl.losses import entropy_from_logits
-from agentgym_jax.train import steps
+from agentgym_jax.train import scoring, steps
 from agentgym_jax.train.state import TrainState, reference_params
 from tests.updates import replace
 from tests.updates import update as make_update
@@ -55,11 +55,12 @@ def primitive_counts(jaxpr, counts=None) -> collections.Counter:
 
 
 def _reference_stats(params, tokens, positions):
-    """log p and entropy [batch, seq] from the full [batch, seq, vocab] logits, unchunked."""
+    """log p and entropy [batch, seq] from the full [batch, seq, vocab] logits, unchunked; 0 where
+    nothing predicts the token (a row's first token, padding)."""
     logits, _ = forward(params, tokens, positions, config=MODEL)
     logits = logits[:, :-1]
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
-    shift = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    shift = lambda x: jnp.where(positions > 0, jnp.pad(x, ((0, 0), (1, 0))), 0.0)  # noqa: E731
     return shift(logp), shift(entropy_from_logits(logits))
 
 
@@ -76,7 +77,7 @@ def test_chunked_logprobs_equal_the_full_vocabulary_computation(chunk):
             return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * entropy), (logp, entropy)
         return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
-    chunked = objective(lambda p: steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[:2])
+    chunked = objective(lambda p: scoring.score(p, batch, config.forward)[:2])
     full = objective(lambda p: _reference_stats(p, batch.tokens, batch.positions))
     (_, got), got_grads = chunked(params)
     (_, want), want_grads = full(params)
@@ -89,7 +90,7 @@ def test_chunked_logprobs_equal_the_full_vocabulary_computation(chunk):
 
     # neither pass holds logits for more than one chunk of positions
     shapes = intermediate_shapes(jax.make_jaxpr(jax.grad(
-        lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[0])))(params))
+        lambda p: jnp.sum(scoring.score(p, batch, config.forward)[0])))(params))
     vocab_shapes = [s for s in shapes if s and s[-1] == VOCAB and len(s) == 3]
     assert vocab_shapes and all(s[1] == chunk for s in vocab_shapes), vocab_shapes
 
@@ -160,7 +161,7 @@ def test_remat_policies_give_the_same_gradient_and_recompute_what_they_say():
 
     def grad(policy):
         config = make_update(MODEL, remat=policy)
-        loss = lambda p: jnp.sum(steps.token_logprobs(p, batch.tokens, batch.positions, config.forward)[0])  # noqa: E731
+        loss = lambda p: jnp.sum(scoring.score(p, batch, config.forward)[0])  # noqa: E731
         return jax.jit(jax.grad(loss))(params), primitive_counts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
 
     (want, plain), *others = (grad(policy) for policy in ("none", "full", "dots", True))

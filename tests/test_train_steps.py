@@ -26,7 +26,7 @@ from agentgym_jax.models.decoder import forward, init_params
 from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import make_mesh
 from agentgym_jax.rollout.batch import TokenBatch
-from agentgym_jax.train import steps
+from agentgym_jax.train import microbatch, scoring, steps
 from agentgym_jax.train.state import TrainState
 from tests.updates import replace
 from tests.updates import update as make_update
@@ -95,18 +95,17 @@ def test_token_logprobs_line_up_with_the_tokens_they_score():
     batch = _batch()
     config = make_update(MODEL)
     params = _state().params
-    logp, entropy, _ = jax.jit(steps.token_logprobs, static_argnames="forward")(
-        params, batch.tokens, batch.positions, config.forward
-    )
+    logp, entropy, _ = jax.jit(scoring.score, static_argnames="forward")(params, batch, config.forward)
     logits, _ = jax.jit(forward, static_argnames="config")(params, batch.tokens, batch.positions, config=MODEL)
     logits = np.asarray(logits, np.float64)
     tokens = np.asarray(batch.tokens)
-    for b, t in [(0, 1), (3, 5), (7, 11)]:
+    for b, t in [(0, 1), (3, 5), (7, 5)]:
         row = logits[b, t - 1] - logits[b, t - 1].max()
         log_softmax = row - np.log(np.exp(row).sum())
         assert abs(logp[b, t] - log_softmax[tokens[b, t]]) < 1e-5
         assert abs(entropy[b, t] + (np.exp(log_softmax) * log_softmax).sum()) < 1e-4
-    assert np.all(np.asarray(logp[:, 0]) == 0)
+    unpredicted = (np.arange(tokens.shape[1]) == 0) | (np.asarray(batch.positions) < 0)  # a row's first token, padding
+    assert np.all(np.asarray(logp)[unpredicted] == 0) and np.all(np.asarray(entropy)[unpredicted] == 0)
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -121,9 +120,9 @@ def test_micro_batch_accumulation_gives_the_full_batch_gradient(agg_mode):
 
 
 def test_length_buckets_are_the_sequence_and_its_halvings():
-    assert steps.length_buckets(3072, 4) == (3072, 1536, 768, 384)
-    assert steps.length_buckets(128, 4) == (128, 64)  # never below one multiple
-    assert steps.length_buckets(3072, 1) == (3072,)
+    assert microbatch.length_buckets(3072, 4) == (3072, 1536, 768, 384)
+    assert microbatch.length_buckets(128, 4) == (128, 64)  # never below one multiple
+    assert microbatch.length_buckets(3072, 1) == (3072,)
     with pytest.raises(ValueError, match="length_buckets must be >= 1, got 0"):
         make_update(MODEL, length_buckets=0)
 
@@ -397,13 +396,13 @@ def test_a_single_on_policy_update_skips_scoring_and_steps_along_the_policy_grad
     mask = np.asarray(batch.loss_mask, np.float64)
 
     def surrogate(params):
-        logp = steps.token_logprobs(params, batch.tokens, batch.positions, ON_POLICY.forward)[0]
+        logp = scoring.score(params, batch, ON_POLICY.forward)[0]
         return -(rl_batch.advantages * logp * batch.loss_mask).sum() / batch.loss_mask.sum()
 
     grads = jax.grad(surrogate)(state.params)
     updates, _ = TX.update(grads, TX.init(state.params), state.params)
     expected = jax.tree.map(np.asarray, optax.apply_updates(state.params, updates))
-    logp = np.asarray(steps.token_logprobs(state.params, batch.tokens, batch.positions, ON_POLICY.forward)[0])
+    logp = np.asarray(scoring.score(state.params, batch, ON_POLICY.forward)[0])
     after, metrics = fns.rl_update(state, rl_batch)  # donates `state`
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), after.params, expected)
     # The sampler-vs-trainer gap comes from the update's own log-probs (the batch's are zeros),

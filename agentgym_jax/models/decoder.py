@@ -138,26 +138,56 @@ def grouped_attention(
     return out.reshape(batch, seq, heads, head_dim)
 
 
-def _block_scores(q, k, q_pos, k_pos):
-    """Scaled, masked scores [batch, kv, group, q_block, k_block] float32 of one tile, and its mask.
+def _block_mask(q_pos, k_pos, tree):
+    """[batch, 1, 1, q_block, k_block] bool: which keys of a tile each query sees.
 
-    q [batch, q_block, kv, group, head_dim], k [batch, kv, k_block, head_dim], positions
-    [batch, q_block] and [batch, k_block]: the mask is `cache.attention_mask` of the tile.
+    Positions [batch, q_block] and [batch, k_block] give `cache.attention_mask`; `tree` (rows
+    packed as prefix trees, see `flash_attention`) is (query indices [q_block], key indices
+    [k_block], key ends [batch, k_block]) and keeps key j for query i only where j <= i < end[j].
     """
-    mask = attention_mask(q_pos, k_pos)[:, None, None]  # [batch, 1, 1, q_block, k_block]
+    mask = attention_mask(q_pos, k_pos)
+    if tree is not None:
+        q_idx, k_idx, k_end = tree
+        mask &= (k_idx[None, None, :] <= q_idx[None, :, None]) & (q_idx[None, :, None] < k_end[:, None, :])
+    return mask[:, None, None]
+
+
+def _block_scores(q, k, mask):
+    """Scaled, masked scores [batch, kv, group, q_block, k_block] float32 of one tile.
+
+    q [batch, q_block, kv, group, head_dim], k [batch, kv, k_block, head_dim], mask as `_block_mask`.
+    """
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    return jnp.where(mask, scores, _MASKED), mask
+    return jnp.where(mask, scores, _MASKED)
 
 
-def _tiles(q, k, v, q_pos, k_pos, block_q, block_k):
+def _when_visible(mask, fn, carry):
+    """`fn(carry)` where the tile has a visible (query, key) pair, else `carry`: a tile wholly
+    above the diagonal, or between two branches of a prefix tree, costs no matmul."""
+    return jax.lax.cond(jnp.any(mask), fn, lambda c: c, carry)
+
+
+def _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
     """Queries [nq, batch, block_q, kv, group, head_dim] and keys, values [nk, batch, kv, block_k,
-    head_dim] cut into blocks, with their positions [nq, batch, block_q] and [nk, batch, block_k]."""
+    head_dim] cut into blocks, with their positions [nq, batch, block_q] and [nk, batch, block_k]
+    and what `_block_mask` reads of a tree: indices [nq, block_q] and [nk, block_k], key ends
+    [nk, batch, block_k] (None without a tree)."""
     batch, seq, kv, group, dim = q.shape
     keys = k.shape[2]
     nq, nk = seq // block_q, keys // block_k
     qb = q.reshape(batch, nq, block_q, kv, group, dim).swapaxes(0, 1)
     kb, vb = (x.reshape(batch, kv, nk, block_k, dim).transpose(2, 0, 1, 3, 4) for x in (k, v))
-    return qb, kb, vb, q_pos.reshape(batch, nq, block_q).swapaxes(0, 1), k_pos.reshape(batch, nk, block_k).swapaxes(0, 1)
+    q_tree = k_tree = None
+    if k_end is not None:
+        q_tree = jnp.arange(seq, dtype=jnp.int32).reshape(nq, block_q)
+        k_tree = (jnp.arange(keys, dtype=jnp.int32).reshape(nk, block_k), k_end.reshape(batch, nk, block_k).swapaxes(0, 1))
+    return (qb, kb, vb, q_pos.reshape(batch, nq, block_q).swapaxes(0, 1), k_pos.reshape(batch, nk, block_k).swapaxes(0, 1),
+            q_tree, k_tree)
+
+
+def _tree(q_tree, k_tree):
+    """`_block_mask`'s tree argument of one tile (None without a tree)."""
+    return None if q_tree is None else (q_tree, *k_tree)
 
 
 def _untile_queries(x):
@@ -165,25 +195,30 @@ def _untile_queries(x):
     return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
+def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
     """out [batch, seq, kv, group, head_dim] (q's dtype) and logsumexp [batch, kv, group, seq] float32."""
-    qb, kb, vb, qpb, kpb = _tiles(q, k, v, q_pos, k_pos, block_q, block_k)
+    qb, kb, vb, qpb, kpb, qtb, ktb = _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
 
     def query_block(inputs):
-        qi, qpi = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q]
+        qi, qpi, qti = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q], tree indices
 
         def key_block(carry, kv_block):
-            running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
-            kj, vj, kpj = kv_block
-            scores, _ = _block_scores(qi, kj, qpi, kpj)
-            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
-            probs = jnp.exp(scores - new_max[..., None])
-            rescale = jnp.exp(running_max - new_max)
-            total = total * rescale + jnp.sum(probs, axis=-1)
-            acc = acc * rescale[..., None] + jnp.einsum(
-                "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
-            )
-            return (new_max, total, acc), None
+            kj, vj, kpj, ktj = kv_block
+            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
+
+            def attend(carry):
+                running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
+                scores = _block_scores(qi, kj, mask)
+                new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+                probs = jnp.exp(scores - new_max[..., None])
+                rescale = jnp.exp(running_max - new_max)
+                total = total * rescale + jnp.sum(probs, axis=-1)
+                acc = acc * rescale[..., None] + jnp.einsum(
+                    "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+                )
+                return new_max, total, acc
+
+            return _when_visible(mask, attend, carry), None
 
         stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
         init = (
@@ -191,76 +226,87 @@ def _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, qi.shape[-1]), jnp.float32),
         )
-        (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb))
+        (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb, ktb))
+        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # a query that sees no key: 0, not 0 / 0
         out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [batch, block_q, kv, group, d]
         return out, running_max + jnp.log(total)
 
-    out, lse = jax.lax.map(query_block, (qb, qpb))  # [nq, batch, block_q, ...], [nq, batch, kv, group, block_q]
+    out, lse = jax.lax.map(query_block, (qb, qpb, qtb))  # [nq, batch, block_q, ...], [nq, batch, kv, group, block_q]
     lse = lse.transpose(1, 2, 3, 0, 4)  # [batch, kv, group, nq, block_q]
     return _untile_queries(out), lse.reshape(*lse.shape[:3], -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, q_pos, k_pos, block_q, block_k):
-    return _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
+    return _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k)[0]
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, block_q, block_k):
-    out, lse = _flash_forward(q, k, v, q_pos, k_pos, block_q, block_k)
-    return out, (q, k, v, q_pos, k_pos, out, lse)
+def _flash_fwd(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
+    out, lse = _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
+    return out, (q, k, v, q_pos, k_pos, k_end, out, lse)
 
 
 def _flash_bwd(block_q, block_k, residuals, d_out):
     """FlashAttention-2's backward: each tile's probabilities recomputed from the saved logsumexp,
-    one pass over query blocks for dq and one over key blocks for dk, dv."""
-    q, k, v, q_pos, k_pos, out, lse = residuals
+    one pass over query blocks for dq and one over key blocks for dk, dv (tiles without a visible
+    pair skipped, as in the forward)."""
+    q, k, v, q_pos, k_pos, k_end, out, lse = residuals
     # [batch, kv, group, seq]: rowsum(d_out * out), the softmax's Jacobian term
     delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    qb, kb, vb, qpb, kpb = _tiles(q, k, v, q_pos, k_pos, block_q, block_k)
-    dob = _tiles(d_out, k, v, q_pos, k_pos, block_q, block_k)[0]
+    qb, kb, vb, qpb, kpb, qtb, ktb = _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
+    dob = _tiles(d_out, k, v, q_pos, k_pos, None, block_q, block_k)[0]
     nq = qb.shape[0]
     lse_b, delta_b = (x.reshape(*x.shape[:3], nq, block_q).transpose(3, 0, 1, 2, 4) for x in (lse, delta))
     scale = q.shape[-1] ** -0.5
 
-    def tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj):
+    def tile(qi, doi, lse_i, delta_i, kj, vj, mask):
         """probs and d(scores) [batch, kv, group, block_q, block_k] float32 of one tile."""
-        scores, mask = _block_scores(qi, kj, qpi, kpj)
-        probs = jnp.exp(scores - lse_i[..., None])
+        probs = jnp.exp(_block_scores(qi, kj, mask) - lse_i[..., None])
         d_probs = jnp.einsum("btkgd,bksd->bkgts", doi, vj, preferred_element_type=jnp.float32)
         return probs, jnp.where(mask, probs * (d_probs - delta_i[..., None]), 0.0)
 
     def dq_block(inputs):
-        qi, doi, lse_i, delta_i, qpi = inputs
+        qi, doi, lse_i, delta_i, qpi, qti = inputs
 
         def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
-            kj, vj, kpj = kv_block
-            _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
-            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
-                                   preferred_element_type=jnp.float32), None
+            kj, vj, kpj, ktj = kv_block
+            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
+
+            def accumulate(dq):
+                _, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
+                return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
+                                       preferred_element_type=jnp.float32)
+
+            return _when_visible(mask, accumulate, dq), None
 
         batch, block, kv, group, dim = qi.shape
-        dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb))
+        dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb, ktb))
         return (dq * scale).transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
     def dkv_block(inputs):
-        kj, vj, kpj = inputs
+        kj, vj, kpj, ktj = inputs
 
         def step(carry, q_block):
-            dk, dv = carry
-            qi, doi, lse_i, delta_i, qpi = q_block
-            probs, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj)
-            dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
-            dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
-            return (dk, dv), None
+            qi, doi, lse_i, delta_i, qpi, qti = q_block
+            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
+
+            def accumulate(carry):
+                dk, dv = carry
+                probs, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
+                dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+                dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+                return dk, dv
+
+            return _when_visible(mask, accumulate, carry), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
-        (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb))
+        (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb, qtb))
         return (dk * scale).astype(k.dtype), dv.astype(v.dtype)
 
-    dq = _untile_queries(jax.lax.map(dq_block, (qb, dob, lse_b, delta_b, qpb)))
-    dk, dv = jax.lax.map(dkv_block, (kb, vb, kpb))  # [nk, batch, kv, block_k, head_dim]
+    dq = _untile_queries(jax.lax.map(dq_block, (qb, dob, lse_b, delta_b, qpb, qtb)))
+    dk, dv = jax.lax.map(dkv_block, (kb, vb, kpb, ktb))  # [nk, batch, kv, block_k, head_dim]
     untile_keys = lambda x: x.transpose(1, 2, 0, 3, 4).reshape(k.shape)  # noqa: E731
-    return dq, untile_keys(dk), untile_keys(dv), None, None
+    return dq, untile_keys(dk), untile_keys(dv), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -273,6 +319,7 @@ def flash_attention(
     q_positions: jax.Array,
     k_positions: jax.Array,
     *,
+    k_ends: jax.Array | None = None,
     block_q: int = ATTENTION_BLOCK,
     block_k: int = ATTENTION_BLOCK,
 ) -> jax.Array:
@@ -283,7 +330,13 @@ def flash_attention(
     The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
     k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
     recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
-    scores. Plain XLA, so it runs on every backend. Returns [batch, seq, heads, head_dim].
+    scores. Tiles where no query sees a key are skipped, forward and backward. Plain XLA, so it
+    runs on every backend. Returns [batch, seq, heads, head_dim].
+
+    `k_ends` [batch, keys] (self-attention of rows packed as prefix trees, `rollout/packing.py`):
+    key j is seen by query i of its row only where j <= i < k_ends[b, j], i.e. by the rest of
+    its own run and by the subtrees that branch off after it, never by a sibling branch or
+    another tree of the row; positions still restart in each tree and give RoPE its depths.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -291,13 +344,21 @@ def flash_attention(
     block_k, keys_pad = block_layout(keys, block_k)
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
     q_positions, k_positions = q_positions.astype(jnp.int32), k_positions.astype(jnp.int32)
+    if k_ends is not None:
+        if keys != seq:
+            raise ValueError(f"k_ends is for a row's self-attention: {seq} queries, {keys} keys")
+        k_ends = k_ends.astype(jnp.int32)
     if seq_pad > seq:
         q = jnp.pad(q, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0), (0, 0)))
         q_positions = jnp.pad(q_positions, ((0, 0), (0, seq_pad - seq)), constant_values=-1)
     if keys_pad > keys:
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, keys_pad - keys), (0, 0))) for x in (k, v))
         k_positions = jnp.pad(k_positions, ((0, 0), (0, keys_pad - keys)), constant_values=-1)
-    out = _flash(q, k, v, q_positions, k_positions, block_q, block_k)
+    if k_ends is not None and keys_pad > keys:
+        k_ends = jnp.pad(k_ends, ((0, 0), (0, keys_pad - keys)))
+    if k_ends is not None and seq_pad != keys_pad:  # one tiling for both, so query and key indices agree
+        raise ValueError(f"k_ends needs one tiling of queries and keys, got blocks {block_q} and {block_k}")
+    out = _flash(q, k, v, q_positions, k_positions, k_ends, block_q, block_k)
     return out[:, :seq].reshape(batch, seq, heads, head_dim)
 
 
@@ -356,9 +417,10 @@ class Attention(nn.Module):
     lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
+    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index, ends=None):
         """x [batch, seq, hidden] at `positions` [batch, seq]; `cache_positions` [batch, slots]
-        are the cached slots' positions before this chunk is written (-1: empty)."""
+        are the cached slots' positions before this chunk is written (-1: empty); `ends`
+        [batch, seq]: rows packed as prefix trees (no cache; see `flash_attention`)."""
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         lora = functools.partial(_adapted, targets=self.lora_targets, scale=self.lora_scale, dtype=self.dtype)
@@ -374,10 +436,10 @@ class Attention(nn.Module):
         sharded = self.activation_sharding
         pallas = dict(interpret=self.kernels.interpret, mesh=sharded and sharded.mesh,
                       batch_axes=sharded and sharded.spec[0])
-        if layer_cache is None and self.kernels.training == "splash":
+        if layer_cache is None and self.kernels.training == "splash" and ends is None:
             out, new_kv = splash_attention(q, k, v, positions, block=self.kernels.block, **pallas), None
-        elif layer_cache is None:
-            out = flash_attention(q, k, v, positions, positions, **blocks)
+        elif layer_cache is None:  # prefix trees on every backend (splash's masks cannot say a tree)
+            out = flash_attention(q, k, v, positions, positions, k_ends=ends, **blocks)
             new_kv = None
         elif self.layer is None and x.shape[1] == 1:
             # decode under the scan: the cached keys (read only) and the new one, written after
@@ -437,13 +499,13 @@ class Block(nn.Module):
     lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index):
+    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index, ends=None):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         lora = dict(lora_scale=self.lora_scale)
         h, new_kv = Attention(c, layer=self.layer, kernels=self.kernels, activation_sharding=self.activation_sharding,
                               lora_targets=tuple(t for t in self.lora_targets if t in ("q", "k", "v", "o")), name="attn", **lora, **kw)(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, positions,
-            cache_positions, index,
+            cache_positions, index, ends,
         )
         x = x + h
         mlp_targets = tuple(t for t in self.lora_targets if t in ("gate", "up", "down"))
@@ -456,6 +518,9 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32.
+
+    Without a cache, `ends` [batch, seq] runs rows packed as prefix trees (`rollout/packing.py`):
+    each token attends to its own path from the tree's root (`flash_attention`'s `k_ends`).
 
     `scan_layers=False` runs the layers as a Python loop over per-layer parameters `layers_<i>`
     (see `unstack_layers`) instead of `nn.scan` over the stacked `layers`. `project=False` stops
@@ -479,7 +544,7 @@ class Decoder(nn.Module):
     lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, tokens, positions, cache: KVCache | None):
+    def __call__(self, tokens, positions, cache: KVCache | None, ends=None):
         c = self.config
         if cache is not None and (self.frozen_layers or self.lora_targets):
             raise ValueError("parameters split for training (frozen_layers, LoRA adapters) do not decode with a cache: "
@@ -510,20 +575,20 @@ class Decoder(nn.Module):
                     block,
                     variable_axes={"params": 0},
                     split_rngs={"params": True},
-                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                     length=length,
                 )(*block_args, **block_kw, **kw, name=name)
 
             if self.frozen_layers:  # no gradient below: the backward pass stops at their output
-                x, _ = scan(self.frozen_layers, "frozen_layers")(x, None, cos, sin, positions, None, None)
+                x, _ = scan(self.frozen_layers, "frozen_layers")(x, None, cos, sin, positions, None, None, ends)
                 x = jax.lax.stop_gradient(x)
             layers = scan(c.num_layers - self.frozen_layers, "layers", lora_targets=self.lora_targets,
                           lora_scale=self.lora_scale)
-            x, new_kv = layers(x, layer_cache, cos, sin, positions, cache_positions, index)
+            x, new_kv = layers(x, layer_cache, cos, sin, positions, cache_positions, index, ends)
         else:  # each layer writes its keys into the stacked cache in place, then attends
             for i in range(c.num_layers):
                 x, layer_cache = block(*block_args, layer=i, **block_kw, name=f"layers_{i}")(
-                    x, layer_cache, cos, sin, positions, cache_positions, index
+                    x, layer_cache, cos, sin, positions, cache_positions, index, ends
                 )
         hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
 
@@ -643,12 +708,14 @@ def hidden_states(
     activation_sharding: jax.sharding.Sharding | None = None,
     kernels: AttentionKernels = AttentionKernels(),
     lora_scale: float = 0.0,
+    ends: jax.Array | None = None,
 ) -> jax.Array:
     """The final (normed) hidden states [batch, seq, hidden] of `forward` without a cache, in the
     compute dtype, without projecting to the vocabulary (see `output_head`). `params` may be split
-    for tuned training (`models/tuning.combine`); `lora_scale` scales their adapters."""
+    for tuned training (`models/tuning.combine`); `lora_scale` scales their adapters. `ends`: the
+    rows are prefix trees (`Decoder`)."""
     _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, kernels, False, config, lora_scale).apply(
-        {"params": _backbone(params)}, tokens, positions, None
+        {"params": _backbone(params)}, tokens, positions, None, ends
     )
     return hidden
 

@@ -21,6 +21,27 @@ from agentgym_jax.rollout.trajectory import Trajectory
 
 
 @flax.struct.dataclass
+class PackedRows:
+    """The rows of `units` units, `rows` rows each, packed as prefix trees of `width` tokens.
+
+    Built by `rollout/packing.pack`, which lays out each unit's rows as one prefix tree; row r
+    of unit u is row `u * rows + r` of the batch it belongs to."""
+
+    tokens: jax.Array  # [units, width] int32; 0 on padding
+    positions: jax.Array  # [units, width] int32: the token's depth (its index in its rows); -1 on padding
+    ends: jax.Array  # [units, width] int32: the index past the token's subtree; 0 on padding (seen by nothing)
+    sources: jax.Array  # [units, rows, seq] int32: where the hidden state predicting row token t sits; -1: none
+
+    @property
+    def rows_per_unit(self) -> int:
+        return self.sources.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+
+@flax.struct.dataclass
 class TokenBatch:
     tokens: jax.Array  # [batch, seq] int32
     positions: jax.Array  # [batch, seq] int32; -1 on padding
@@ -29,6 +50,7 @@ class TokenBatch:
     token_rewards: jax.Array  # [batch, seq] float32; each turn's reward on its last policy token
     group_ids: jax.Array  # [batch] int32; rows of padding get their own unused group
     scores: jax.Array  # [batch] float32; the episode return (sum of turn rewards) per row
+    layout: PackedRows | None = None  # the rows packed as prefix trees (`rollout/packing.py`); None: plain rows
 
     @property
     def shape(self) -> tuple[int, int]:

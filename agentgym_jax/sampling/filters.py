@@ -4,7 +4,7 @@ Log-probabilities returned with a sample are taken under the distribution the to
 drawn from: `log_softmax(filter_logits(logits))` (after temperature, top-k and top-p). That is the
 behaviour policy of the filtered sampler. Greedy decoding is a point mass, so its log-probability
 is 0. The raw log-probs (at the sampling temperature, nothing filtered; temperature 1 when greedy)
-are the policy the trainer recomputes (`train/steps.token_logprobs` divides its logits by the same
+are the policy the trainer recomputes (`train/scoring.score` divides its logits by the same
 temperature), so their difference measures only the sampler-vs-trainer mismatch.
 """
 

@@ -28,7 +28,8 @@ from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train import rl_episodes
-from agentgym_jax.train.steps import Batching, DPOSpec, Forward, RLSpec, UpdateConfig, check_microbatches
+from agentgym_jax.train.scoring import Forward
+from agentgym_jax.train.steps import Batching, DPOSpec, RLSpec, UpdateConfig, check_microbatches
 
 # Hyper-parameters whose config key is not their name (a bare `epsilon` would say nothing of which).
 CONFIG_KEYS = {"epsilon": "advantage_epsilon"}

@@ -2,7 +2,8 @@
 micro-batched update path (`accumulated_update`).
 
 An `UpdateConfig` has typed parts, each read from its own config section by `train/settings.py`:
-`Forward` (how the model runs: dtype, remat, log-prob chunk, kernels, LoRA scale), `Batching`
+`Forward` (how the model runs: dtype, remat, where and how many positions project to the
+vocabulary, kernels, LoRA scale; `train/scoring.py`, which every loss reads), `Batching`
 (epochs, mini- and micro-batches, length buckets, loss aggregation), and the objective besides
 behaviour cloning: `RLSpec` (estimator and policy loss from the `rl/` registries with their
 declared hyper-parameters, KL, entropy, value model, temperature, correction) or `DPOSpec`.
@@ -14,6 +15,10 @@ optimizer update whose gradient is accumulated (in float32) over micro-batches. 
 losses are weighted by their share of the mini-batch's tokens (or sequences, for the seq-mean
 modes), so accumulation gives exactly the gradient of the whole mini-batch. An update whose loss
 or gradient is not finite is skipped and counted (`TrainState.apply_gradients`).
+
+A batch is plain rows or rows packed as prefix trees (`rollout/packing.py`: a group's shared
+prompt computed once, forward and backward); either way it is cut into parts of whole units
+(`train/microbatch.py`), so a group's rows stay in one micro-batch.
 
 Memory does not grow with the batch, seq x vocab or seq x seq: `prepare` scores the batch one
 micro-batch at a time (the update's micro-batch size), log-probs and entropies are computed a
@@ -43,18 +48,17 @@ from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import tuning
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name
-from agentgym_jax.models.decoder import value_head as decoder_value_head
-from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import BATCH_AXES
-from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, fit_spec, param_shardings
+from agentgym_jax.parallel.partition import DEFAULT_RULES, Rules, batch_sharding, param_shardings
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS, Estimator, compute_advantages
 from agentgym_jax.rl.correction import IS_LEVELS, importance_weights
 from agentgym_jax.rl.dpo import dpo_loss
 from agentgym_jax.rl.kl import KL_ESTIMATORS, apply_kl_penalty, kl_loss
-from agentgym_jax.rl.losses import POLICY_LOSSES, PolicyLoss, entropy_from_logits, value_loss
+from agentgym_jax.rl.losses import POLICY_LOSSES, PolicyLoss, value_loss
 from agentgym_jax.rl.masked import LOSS_AGG_MODES, aggregate_loss, masked_count, masked_mean
-from agentgym_jax.rollout.batch import TokenBatch
+from agentgym_jax.rollout.batch import PackedRows, TokenBatch
+from agentgym_jax.train import microbatch
+from agentgym_jax.train.scoring import Forward, critic_values, score
 from agentgym_jax.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
@@ -81,25 +85,6 @@ def _at_least(bound: float, strict: bool, **values) -> None:
 
 def _hparams(value: Mapping[str, Any] | Hparams) -> Hparams:
     return tuple(sorted(dict(value).items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Forward:
-    """How the trainer runs the model, whatever the loss (RL, SFT, DPO, the critic's)."""
-
-    model: ModelConfig
-    compute_dtype: str | None = None  # None: the parameters' dtype
-    remat: str | bool = "none"  # what each layer keeps for the backward: a key of decoder.REMAT_POLICIES
-    logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
-    kernels: AttentionKernels = AttentionKernels()  # attention implementations (`models.kernels`)
-    lora_scale: float = 0.0  # LoRA adapters' alpha / rank (`models/tuning.py`); 0: no adapters
-    # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
-    activation_sharding: NamedSharding | None = None
-
-    def __post_init__(self):
-        remat_name(self.remat)  # raises on an unknown policy, naming the valid ones
-        if self.logprob_chunk < 1:
-            raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,82 +241,7 @@ class RLBatch:
     advantages: jax.Array  # [batch, seq]
     returns: jax.Array  # [batch, seq]
     is_weights: jax.Array  # [batch, seq] off-policy weights of each token's loss; ones when off
-
-
-def token_logprobs(
-    params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward, temperature: float = 1.0,
-    value_head: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
-
-    Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
-    entry 0 has no prefix and is 0. Log-probs and entropy are of `logits / temperature`, the
-    distribution the sampler drew from at that temperature. The trunk runs once to the final
-    hidden states; the vocabulary projection, log-softmax and gather then run `logprob_chunk`
-    positions at a time (`chunked_logprobs`), so the [batch, seq, vocab] logits are never held.
-    """
-    hidden = _trunk(params, tokens, positions, forward, forward.model)  # [batch, seq, hidden]
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
-    logp, entropy = chunked_logprobs(
-        hidden, output_head(params, forward.model), targets, forward.logprob_chunk, temperature
-    )
-    if value_head:
-        values = decoder_value_head(params, hidden)  # value of the state each token is sampled in
-    else:
-        values = jnp.zeros_like(logp)
-    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731
-    return shift(logp), shift(entropy), shift(values)
-
-
-def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward,
-                  model: ModelConfig | None = None) -> jax.Array:
-    """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
-    value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
-    left out by XLA). `model`: the critic's architecture (None: the policy's)."""
-    hidden = _trunk(critic_params, tokens, positions, forward, model or forward.model)
-    return jnp.pad(decoder_value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
-
-
-def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: Forward, model: ModelConfig) -> jax.Array:
-    """`model`'s final hidden states [batch, seq, hidden] in the update's compute dtype, remat,
-    attention kernels and activation sharding."""
-    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
-    activations = config.activation_sharding
-    if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
-        spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
-        activations = NamedSharding(activations.mesh, spec)
-    return hidden_states(params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
-                         activation_sharding=activations, kernels=config.kernels, lora_scale=config.lora_scale)
-
-
-def chunked_logprobs(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0
-) -> tuple[jax.Array, jax.Array]:
-    """log p(targets) and the entropy at every position under `logits / temperature`, each
-    [batch, seq] float32.
-
-    hidden [batch, seq, hidden] (compute dtype), head [hidden, vocab], targets [batch, seq] int.
-    A `lax.map` over chunks of `chunk` positions, each rematerialised: forward and backward hold
-    one [batch, chunk, vocab] block of logits at a time, never [batch, seq, vocab].
-    """
-    batch, seq, width = hidden.shape
-    chunk, padded = block_layout(seq, chunk)
-    if padded > seq:
-        hidden = jnp.pad(hidden, ((0, 0), (0, padded - seq), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, padded - seq)))
-    head = head.astype(hidden.dtype)
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def block(inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, t = inputs  # [batch, chunk, hidden], [batch, chunk]
-        logits = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32) / temperature
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), t[..., None], axis=-1)[..., 0]
-        return logp, entropy_from_logits(logits)
-
-    blocks = (hidden.reshape(batch, -1, chunk, width).swapaxes(0, 1), targets.reshape(batch, -1, chunk).swapaxes(0, 1))
-    logp, entropy = jax.lax.map(block, blocks)  # [chunks, batch, chunk] each
-    merge = lambda x: x.swapaxes(0, 1).reshape(batch, padded)[:, :seq]  # noqa: E731
-    return merge(logp), merge(entropy)
+    layout: PackedRows | None = None  # the rows packed as prefix trees (the `TokenBatch`'s); None: plain rows
 
 
 def prepare(
@@ -352,7 +262,7 @@ def prepare(
         raise ValueError(f"critic={rl.critic!r} with advantage={rl.advantage!r}: critic_params must be "
                          f"{'given' if rl.separate_critic else 'None'}")
     mask = batch.loss_mask
-    check_microbatches(batch.tokens.shape[0], config)
+    check_microbatches(batch, config)
     if config.scores_rollouts:
         old_logprobs, values, ref_logprobs, is_weights, score_metrics = _score_rollouts(
             (params, ref_params, critic_params), batch, config)
@@ -381,6 +291,7 @@ def prepare(
         advantages=advantages,
         returns=returns,
         is_weights=is_weights,
+        layout=batch.layout,
     )
     return rl_batch, metrics
 
@@ -391,26 +302,29 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     importance weights of trainer vs sampler, and their metrics."""
     rl, forward, batching, mask = config.rl, config.forward, config.batching, batch.loss_mask
 
-    def score(all_params: tuple[Any, Any, Any], part: TokenBatch) -> tuple[jax.Array, ...]:
+    def score_part(all_params: tuple[Any, Any, Any], units: TokenBatch) -> tuple[jax.Array, ...]:
         params, ref_params, critic_params = all_params
-        rows = (part.tokens, part.positions)
-        old_logprobs, entropy, values = token_logprobs(params, *rows, forward, rl.temperature, rl.shared_value_head)
+        part = microbatch.to_rows(units)
+        old_logprobs, entropy, values = score(params, part, forward, rl.temperature, rl.shared_value_head)
         if rl.separate_critic:
-            values = critic_values(critic_params, *rows, forward, rl.critic_model)
-        ref_logprobs = (token_logprobs(ref_params, *rows, forward, rl.temperature)[0] if rl.uses_reference
-                        else old_logprobs)
-        return old_logprobs, entropy, values, ref_logprobs
+            values = critic_values(critic_params, part, forward, rl.critic_model)
+        ref_logprobs = score(ref_params, part, forward, rl.temperature)[0] if rl.uses_reference else old_logprobs
+        rows = microbatch.rows_per_unit(units)
+        return tuple(x.reshape(-1, rows, x.shape[-1]) if rows > 1 else x
+                     for x in (old_logprobs, entropy, values, ref_logprobs))
 
     parts = batching.num_minibatches * batching.num_microbatches
-    # Parts of like lengths, each scored at its own (rows that train nothing: not at all), as the update runs them.
-    order = _length_order(batch, parts) if batching.length_buckets > 1 and parts > 1 else None
-    rows = batch if order is None else jax.tree.map(lambda x: x[order], batch)
-    score_at = _at_length(score, length_buckets(batch.tokens.shape[1], batching.length_buckets), per_position=True)
-    scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), _split(rows, parts))
-    scored = _merge(scored)
+    units = microbatch.to_units(batch)
+    # Parts of like lengths, each scored at its own (units that train nothing: not at all), as the update runs them.
+    order = microbatch.length_order(units, parts) if batching.length_buckets > 1 and parts > 1 else None
+    ordered = units if order is None else jax.tree.map(lambda x: x[order], units)
+    full = microbatch.full_length(batch)
+    score_at = microbatch.at_length(score_part, microbatch.length_buckets(full, batching.length_buckets), per_position=True)
+    scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), microbatch.split(ordered, parts))
+    scored = microbatch.merge(scored)
     if order is not None:
-        scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's row order
-    old_logprobs, entropy, values, ref_logprobs = scored
+        scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's unit order
+    old_logprobs, entropy, values, ref_logprobs = (x.reshape(mask.shape) for x in scored)
     # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
     is_weights, is_metrics = importance_weights(
         old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
@@ -421,7 +335,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     metrics = {
         **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
         **is_metrics,
-        "score_length_fraction": jnp.mean(run_lengths) / batch.tokens.shape[1],  # of the padded positions, scored
+        "score_length_fraction": jnp.mean(run_lengths) / full,  # of the padded positions, scored
     }
     return old_logprobs, values, ref_logprobs, is_weights, metrics
 
@@ -443,8 +357,7 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
     Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
     sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl = config.rl
-    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config.forward, rl.temperature,
-                                               rl.shared_value_head)
+    logprobs, entropy, values = score(params, batch, config.forward, rl.temperature, rl.shared_value_head)
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
     if not config.scores_rollouts:
@@ -472,7 +385,7 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
 
 def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """The separate critic's clipped value loss (its own optimizer: no `vf_coef`)."""
-    values = critic_values(critic_params, batch.tokens, batch.positions, config.forward, config.rl.critic_model)
+    values = critic_values(critic_params, batch, config.forward, config.rl.critic_model)
     loss, metrics = value_loss(
         values, batch.old_values, batch.returns, batch.loss_mask, agg_mode=config.batching.agg_mode,
         norm_length=config.batching.loss_norm_length, clip_eps_value=config.rl.clip_eps_value,
@@ -483,7 +396,7 @@ def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tup
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
     model's own distribution (temperature 1)."""
-    logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config.forward)
+    logprobs, _, _ = score(params, batch, config.forward)
     loss = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
     return loss, {"loss": loss, "nll": loss}
 
@@ -496,6 +409,8 @@ class DPOBatch:
     rejected: TokenBatch  # [pairs, seq], the same shape
     chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
     rejected_ref_logprobs: jax.Array  # [pairs, seq]
+    layout: PackedRows | None = None  # each pair's two rows (chosen, rejected) packed as one prefix tree
+    rows_are_units = False  # `microbatch.to_units`: every leaf is per pair already
 
     # What the micro-batched update reads of a batch, per pair: the tokens a pair trains (the
     # chosen row's, where both rows have one: `rl.dpo.dpo_loss`'s valid pairs) and its length.
@@ -513,30 +428,39 @@ class DPOBatch:
         return self.chosen.tokens
 
 
-def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward) -> tuple[jax.Array, jax.Array]:
+DPOBatch.rows_are_units = True
+
+
+def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward,
+                  layout: PackedRows | None = None) -> tuple[jax.Array, jax.Array]:
     """Log-probs of every token of the chosen and rejected rows, each [pairs, seq].
 
-    One forward over the rows of both (`[2 * pairs, seq]`): half the program of two forwards, so
-    the update compiles in about half the time.
+    One forward over the rows of both: half the program of two forwards, so the update compiles
+    in about half the time; with `layout`, each pair's rows as one prefix tree (the prompt once).
     """
-    tokens = jnp.concatenate([chosen.tokens, rejected.tokens])  # [2 * pairs, seq]
-    positions = jnp.concatenate([chosen.positions, rejected.positions])
-    logprobs = token_logprobs(params, tokens, positions, forward)[0]
-    return logprobs[: chosen.tokens.shape[0]], logprobs[chosen.tokens.shape[0] :]
+    pairs = chosen.tokens.shape[0]
+    if layout is None:  # [chosen rows, rejected rows]
+        logprobs = score(params, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), chosen, rejected), forward)[0]
+        return logprobs[:pairs], logprobs[pairs:]
+    rows = jax.tree.map(lambda a, b: jnp.stack([a, b], axis=1).reshape(2 * pairs, *a.shape[1:]), chosen, rejected)
+    logprobs = score(params, rows.replace(layout=layout), forward)[0].reshape(pairs, 2, -1)  # pair i: rows 2i, 2i + 1
+    return logprobs[:, 0], logprobs[:, 1]
 
 
-def dpo_reference(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
+def dpo_reference(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, layout: PackedRows | None = None, *,
+                  config: UpdateConfig) -> tuple[jax.Array, jax.Array]:
     """The frozen reference's log-probs of the chosen and rejected rows, each [pairs, seq], one
     micro-batch (of the update's size) at a time, without gradient."""
     parts = config.batching.num_microbatches
-    check_microbatches(chosen.tokens.shape[0], _one_minibatch(config))
-    scored = jax.lax.map(lambda pair: pair_logprobs(ref_params, *pair, config.forward), _split((chosen, rejected), parts))
-    return jax.lax.stop_gradient(_merge(scored))
+    check_microbatches(chosen, _one_minibatch(config))
+    scored = jax.lax.map(lambda pair: pair_logprobs(ref_params, *pair, config.forward),
+                         microbatch.split((chosen, rejected, layout), parts))
+    return jax.lax.stop_gradient(microbatch.merge(scored))
 
 
 def dpo_objective(params: Any, batch: DPOBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """The DPO loss of `rl/dpo.py` under `params` (mean over valid pairs), and its metrics."""
-    chosen_logprobs, rejected_logprobs = pair_logprobs(params, batch.chosen, batch.rejected, config.forward)
+    chosen_logprobs, rejected_logprobs = pair_logprobs(params, batch.chosen, batch.rejected, config.forward, batch.layout)
     loss, metrics = dpo_loss(
         chosen_logprobs, batch.chosen_ref_logprobs, batch.chosen.loss_mask,
         rejected_logprobs, batch.rejected_ref_logprobs, batch.rejected.loss_mask, beta=config.dpo.beta,
@@ -544,115 +468,13 @@ def dpo_objective(params: Any, batch: DPOBatch, config: UpdateConfig) -> tuple[j
     return loss, {**metrics, "loss": loss}
 
 
-def _share(loss_mask: jax.Array, agg_mode: str) -> jax.Array:
-    """[num_micro] weights making the weighted sum of micro-batch losses equal the full loss."""
-    if agg_mode == "token-mean":
-        counts = jnp.sum(loss_mask, axis=(1, 2))  # tokens per micro-batch
-    else:
-        counts = jnp.sum(jnp.any(loss_mask > 0, axis=2), axis=1).astype(jnp.float32)  # sequences
-    return counts / jnp.maximum(jnp.sum(counts), 1.0)
-
-
-def _split(tree: Any, parts: int) -> Any:
-    """[batch, ...] -> [parts, batch // parts, ...] on every leaf; part i takes rows i, i + parts, ...
-
-    Strided rather than contiguous, so that with rows sharded over devices every part keeps
-    rows on every device (the reshape needs no communication).
-    """
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // parts, parts, *x.shape[1:]).swapaxes(0, 1), tree)
-
-
-def _merge(tree: Any) -> Any:
-    """The inverse of `_split`: [parts, batch // parts, ...] -> [batch, ...] in the original row order."""
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
-
-
-def length_buckets(seq: int, count: int, multiple: int = 64) -> tuple[int, ...]:
-    """The lengths a micro-batch of `seq`-token rows can run at, longest first: `seq` and its
-    halvings (`count` in all, rounded up to a `multiple` of positions, repeats dropped)."""
-    halvings = (-(-(seq >> i) // multiple) * multiple for i in range(count))
-    return tuple(sorted({min(seq, max(length, multiple)) for length in halvings}, reverse=True))
-
-
-def _row_lengths(batch: Any) -> jax.Array:
-    """[rows] the positions each row needs: its real tokens (rows are right-padded, position -1),
-    or none when it trains no token (e.g. a group the batch filter dropped: it adds nothing)."""
-    trains = jnp.any(batch.loss_mask > 0, axis=1)
-    return jnp.where(trains, jnp.sum(batch.positions >= 0, axis=1), 0)
-
-
-def _length_order(batch: Any, parts: int) -> jax.Array:
-    """[rows] a row order in which `_split(rows, parts)` part i holds the i-th shortest
-    `rows / parts` rows: parts of like lengths, so that each can run at its own length."""
-    order = jnp.argsort(_row_lengths(batch))
-    per_part = order.shape[0] // parts
-    return order.reshape(parts, per_part).T.reshape(-1)  # part i (rows i, i + parts, ...) = order[i * per_part:]
-
-
-def _at_length(fn: Callable, lengths: tuple[int, ...], per_position: bool = False) -> Callable:
-    """`fn(params, batch)` run on `batch` cut to the shortest of `lengths` that holds its longest
-    row (one `lax.switch` branch per length; only the taken one runs), and that length; with
-    several lengths, not run at all (zeros, length 0) when no row trains a token, e.g. groups
-    that dynamic sampling left out. `per_position`: the output's [rows, length] leaves are padded back to `lengths[0]`.
-
-    Exact: positions past a row's end are padding, which no real token attends to and no loss
-    counts (nor any position of a row that trains no token), every loss aggregation is
-    independent of the padded length, and a part that trains no token has a zero loss, gradient
-    and micro-batch weight, and scores that every later use masks out."""
-    full = lengths[0]
-
-    def cut(length: int) -> Callable:
-        trim = lambda x: x[:, :length] if x.ndim == 2 and x.shape[1] == full else x  # noqa: E731
-        pad = lambda y: jnp.pad(y, ((0, 0), (0, full - length))) if per_position else y  # noqa: E731
-        return lambda params, batch: jax.tree.map(pad, fn(params, jax.tree.map(trim, batch)))
-
-    branches = [cut(length) for length in lengths]
-
-    def skip(params, batch):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(branches[0], params, batch))
-
-    if len(lengths) == 1:  # one length: no switch (a conditional costs the update memory at real shapes)
-        return lambda params, batch: (branches[0](params, batch), jnp.float32(full))
-
-    def run(params, batch):
-        needed = jnp.max(_row_lengths(batch))
-        fits = jnp.sum(jnp.asarray(lengths) >= needed) - 1  # longest first: a prefix fits
-        index = jnp.where(needed > 0, fits, len(lengths))
-        out = jax.lax.switch(index, [*branches, skip], params, batch)
-        return out, jnp.asarray((*lengths, 0), jnp.float32)[index]
-
-    return run
-
-
-def check_microbatches(rows: int, config: UpdateConfig) -> None:
-    """A clear error unless a `rows`-row batch cuts into `num_minibatches x num_microbatches` parts
-    that each split evenly over the mesh's batch shards (else a part is replicated and recomputed
-    on every device)."""
-    mini, micro = config.batching.num_minibatches, config.batching.num_microbatches
-    if rows % (mini * micro):
-        raise ValueError(f"batch of {rows} rows is not divisible into {mini} mini-batches x {micro} micro-batches")
-    per_mini = rows // mini
-    activations = config.forward.activation_sharding
-    mesh = None if activations is None else activations.mesh
-    shards = 1 if mesh is None else math.prod(mesh.shape[axis] for axis in BATCH_AXES)
-    if (per_mini // micro) % shards:
-        fix = (
-            f"set num_microbatches to a divisor of {per_mini // shards} (at most {per_mini // shards})"
-            if per_mini % shards == 0
-            else f"no num_microbatches fits: give each mini-batch a multiple of {shards} rows (num_minibatches, rows)"
-        )
-        raise ValueError(
-            f"mini-batch of {per_mini} rows / num_microbatches={micro} = {per_mini // micro} rows per micro-batch, "
-            f"but the mesh has {shards} batch shards (data x fsdp) and a micro-batch needs a multiple of them: {fix}"
-        )
-
-
 def accumulated_update(
     state: TrainState, batch: Any, loss_fn: Callable, config: UpdateConfig, agg_mode: str | None = None
 ) -> tuple[TrainState, Metrics]:
-    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches`
-    (grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
-    trains no token is not run). Gradients are of `state.params` only (tuned: `state.frozen` is
+    """One optimizer update on `batch`, its gradient accumulated over `num_microbatches` parts of
+    its units (rows, or the prefix trees of a packed batch: a group's rows stay together),
+    grouped by length and each cut to its own with `length_buckets > 1`; a micro-batch that
+    trains no token is not run. Gradients are of `state.params` only (tuned: `state.frozen` is
     merged in for the forward pass and gets none). Micro-batches weigh by their share of the
     batch's loss tokens or rows, as `agg_mode` (default: the batching's) sums the loss.
 
@@ -660,29 +482,31 @@ def accumulated_update(
     micro-batch gradients lose their low bits); `TrainState.apply_gradients` takes it as is.
     """
     batching = config.batching
+    units = microbatch.to_units(batch)
     if batching.length_buckets > 1 and batching.num_microbatches > 1:
-        order = _length_order(batch, batching.num_microbatches)
-        batch = jax.tree.map(lambda x: x[order], batch)
-    micro = _split(batch, batching.num_microbatches)
-    weights = _share(micro.loss_mask, agg_mode or batching.agg_mode)
+        order = microbatch.length_order(units, batching.num_microbatches)
+        units = jax.tree.map(lambda x: x[order], units)
+    micro = microbatch.split(units, batching.num_microbatches)
+    weights = microbatch.share(micro, agg_mode or batching.agg_mode)
 
-    def trainable_loss(params, micro_batch):
-        return loss_fn(tuning.combine(params, state.frozen) if state.frozen else params, micro_batch, config=config)
+    def trainable_loss(params, micro_units):
+        policy = tuning.combine(params, state.frozen) if state.frozen else params
+        return loss_fn(policy, microbatch.to_rows(micro_units), config=config)
 
-    grad_fn = _at_length(
-        jax.value_and_grad(trainable_loss, has_aux=True), length_buckets(batch.tokens.shape[1], batching.length_buckets),
-    )
+    full = microbatch.full_length(batch)
+    grad_fn = microbatch.at_length(jax.value_and_grad(trainable_loss, has_aux=True),
+                                   microbatch.length_buckets(full, batching.length_buckets))
 
     def micro_step(grads, inputs):
-        micro_batch, weight = inputs
-        ((_, metrics), micro_grads), length = grad_fn(state.params, micro_batch)
+        micro_units, weight = inputs
+        ((_, metrics), micro_grads), length = grad_fn(state.params, micro_units)
         grads = jax.tree.map(lambda g, m: g + weight * m.astype(jnp.float32), grads, micro_grads)
         return grads, (jax.tree.map(lambda m: weight * m, metrics), length)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     grads, (metrics, run_lengths) = jax.lax.scan(micro_step, zeros, (micro, weights))
     metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
-    metrics["length_fraction"] = jnp.mean(run_lengths) / batch.tokens.shape[1]  # of the padded positions, computed
+    metrics["length_fraction"] = jnp.mean(run_lengths) / full  # of the padded positions, computed
     metrics["grad_norm"] = optax.global_norm(grads)
     empty = jnp.sum(micro.loss_mask) == 0  # e.g. a mini-batch of rows the batch filter masked out
     new_state = state.apply_gradients(grads, loss=metrics["loss"], empty=empty)
@@ -692,7 +516,8 @@ def accumulated_update(
 
 
 def rl_update(state: TrainState, batch: RLBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
-    """`ppo_epochs` x `num_minibatches` optimizer updates over shuffled rows of `batch`."""
+    """`ppo_epochs` x `num_minibatches` optimizer updates over shuffled units (rows, or a packed
+    batch's prefix trees) of `batch`."""
     return _epochs(state, batch, rl_loss, config)
 
 
@@ -703,15 +528,18 @@ def critic_update(critic_state: TrainState, batch: RLBatch, config: UpdateConfig
 
 
 def _epochs(state: TrainState, batch: RLBatch, loss_fn: Callable, config: UpdateConfig) -> tuple[TrainState, Metrics]:
-    rows, batching = batch.tokens.shape[0], config.batching
-    check_microbatches(rows, config)
+    batching = config.batching
+    check_microbatches(batch, config)
+    units = microbatch.to_units(batch)
+    count = microbatch.count_units(batch)
 
     def epoch(state, _):
         rng, shuffle_rng = jax.random.split(state.rng)
-        permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, rows)], batch)
-        minibatches = _split(permuted, batching.num_minibatches)
+        permuted = jax.tree.map(lambda x: x[jax.random.permutation(shuffle_rng, count)], units)
+        minibatches = microbatch.split(permuted, batching.num_minibatches)
         return jax.lax.scan(
-            lambda s, mb: accumulated_update(s, mb, loss_fn, config), state.replace(rng=rng), minibatches
+            lambda s, mb: accumulated_update(s, microbatch.to_rows(mb), loss_fn, config), state.replace(rng=rng),
+            minibatches,
         )
 
     state, metrics = jax.lax.scan(epoch, state, None, length=batching.ppo_epochs)
@@ -727,7 +555,7 @@ def _one_minibatch(config: UpdateConfig) -> UpdateConfig:
 
 def sft_update(state: TrainState, batch: TokenBatch, config: UpdateConfig) -> tuple[TrainState, Metrics]:
     """One behaviour-cloning update (the batch is one mini-batch), accumulated over `num_microbatches`."""
-    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
+    check_microbatches(batch, _one_minibatch(config))
     return accumulated_update(state, batch, sft_loss, config)
 
 
@@ -735,8 +563,18 @@ def dpo_update(state: TrainState, batch: DPOBatch, config: UpdateConfig) -> tupl
     """One DPO update (the batch is one mini-batch), accumulated over `num_microbatches` like
     every other update; micro-batches weigh by their share of the valid pairs (the loss is a mean
     over pairs), so accumulation gives the whole batch's gradient."""
-    check_microbatches(batch.tokens.shape[0], _one_minibatch(config))
+    check_microbatches(batch, _one_minibatch(config))
     return accumulated_update(state, batch, dpo_objective, config, agg_mode="seq-mean-token-mean")
+
+
+def check_microbatches(batch: Any, config: UpdateConfig) -> None:
+    """A clear error unless `batch`'s units (its rows, or its packed prefix trees; or a count of
+    rows) cut into the update's mini- and micro-batches, each a multiple of the mesh's batch shards."""
+    packed = not isinstance(batch, int) and getattr(batch, "layout", None) is not None
+    units = batch if isinstance(batch, int) else microbatch.count_units(batch)
+    activations = config.forward.activation_sharding
+    microbatch.check_parts(units, config.batching.num_minibatches, config.batching.num_microbatches,
+                           None if activations is None else dict(activations.mesh.shape), "units" if packed else "rows")
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> TrainState:
@@ -822,7 +660,7 @@ def make_step_fns(
     )
     if config.dpo is not None:
         return dataclasses.replace(
-            fns, dpo_reference=jit(dpo_reference, (params, rows, rows), (rows, rows)),
+            fns, dpo_reference=jit(dpo_reference, (params, rows, rows, rows), (rows, rows)),
             dpo_update=jit(dpo_update, (state, rows), (state, replicated), donate_argnums=0),
         )
     if config.rl is None:
