@@ -141,3 +141,15 @@ def _reordered(batch: TokenBatch, order: np.ndarray) -> TokenBatch:
         group_ids=np.where(empty, unused, np.asarray(batch.group_ids)[taken]).astype(np.int32),
         scores=take(batch.scores, 0),
     )
+
+
+def pack_groups(batch: TokenBatch, rows_per_unit: int, *, num_units: int | None = None,
+                width: int | None = None) -> TokenBatch:
+    """`batch` (host arrays) with each group's trained rows packed as prefix trees of at most
+    `rows_per_unit` rows (`pack`); rows that train nothing are left out. Where no unit shares a
+    token, the plain batch: packing would only move its padding."""
+    trained = np.any(np.asarray(batch.loss_mask) > 0, axis=1)
+    units = units_of(np.asarray(batch.group_ids), rows_per_unit, trained)
+    if all(packed_length(batch, unit) == sum(len(row) for row in _rows(batch, unit)) for unit in units):
+        return batch
+    return pack(batch, units, rows_per_unit, num_units=num_units, width=width)

@@ -336,6 +336,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
         **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
         **is_metrics,
         "score_length_fraction": jnp.mean(run_lengths) / full,  # of the padded positions, scored
+        "score_positions": jnp.sum(run_lengths) * (microbatch.count_units(batch) // parts),  # one policy's pass
     }
     return old_logprobs, values, ref_logprobs, is_weights, metrics
 
@@ -453,7 +454,7 @@ def dpo_reference(ref_params: Any, chosen: TokenBatch, rejected: TokenBatch, lay
     micro-batch (of the update's size) at a time, without gradient."""
     parts = config.batching.num_microbatches
     check_microbatches(chosen, _one_minibatch(config))
-    scored = jax.lax.map(lambda pair: pair_logprobs(ref_params, *pair, config.forward),
+    scored = jax.lax.map(lambda part: pair_logprobs(ref_params, part[0], part[1], config.forward, part[2]),
                          microbatch.split((chosen, rejected, layout), parts))
     return jax.lax.stop_gradient(microbatch.merge(scored))
 
@@ -507,6 +508,7 @@ def accumulated_update(
     grads, (metrics, run_lengths) = jax.lax.scan(micro_step, zeros, (micro, weights))
     metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     metrics["length_fraction"] = jnp.mean(run_lengths) / full  # of the padded positions, computed
+    metrics["positions"] = jnp.sum(run_lengths) * micro.loss_mask.shape[1]  # the trunk's positions, all micro-batches
     metrics["grad_norm"] = optax.global_norm(grads)
     empty = jnp.sum(micro.loss_mask) == 0  # e.g. a mini-batch of rows the batch filter masked out
     new_state = state.apply_gradients(grads, loss=metrics["loss"], empty=empty)
