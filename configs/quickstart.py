@@ -62,6 +62,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.trainable_layers = 0
     config.model.remat = "none"  # what a layer keeps for the backward: none (no remat) | full (its input) | dots
     config.model.logprob_chunk = 1024  # positions projected to the vocabulary at a time in the losses
+    config.model.logprobs_at = "loss"  # the vocabulary projection only where the loss reads a log-prob | all (exact either way)
     # auto: the Pallas kernel where it is written for (splash attention on TPU for training rows, the
     # Triton ragged decode kernel on GPU for decode steps), the blockwise XLA path elsewhere; or xla.
     config.model.attention_kernel = "auto"
@@ -135,6 +136,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch
     config.algo.length_buckets = 1  # > 1: micro-batches grouped by length, each run at the shortest of
     #   this many lengths (the batch's, its halvings) that holds it; exact, fewer padded positions
+    config.algo.shared_prefix = True  # each group's rows as one prefix tree: the prompt they share computed
+    #   once, forward and backward (exact); mini- and micro-batches then count groups, not rows
     config.algo.policy_loss = "ppo"  # ppo (per-token ratio) | gspo (per-sequence ratio)
     config.algo.clip_eps_low = 0.2  # ratio clipped to [1 - low, 1 + high]
     config.algo.clip_eps_high = 0.2  # DAPO's clip-higher: 0.28

@@ -49,6 +49,7 @@ from agentgym_jax.job import settings
 from agentgym_jax.job.checkpoint import Checkpointer
 from agentgym_jax.parallel import distributed, partition
 from agentgym_jax.parallel.mesh import local_mesh, make_mesh, split_devices
+from agentgym_jax.rollout import packing
 from agentgym_jax.rollout.batch import TokenBatch, bucket
 from agentgym_jax.rollout.collect import ModelPolicy, OraclePolicy, Policy
 from agentgym_jax.rollout.rl_batch import BatchFilter, training_batch
@@ -516,11 +517,17 @@ def gather_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 
 
 def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable[[int], int],
-                       mesh: jax.sharding.Mesh, rules: BatchFilter, min_len: int = 64,
-                       ) -> tuple[TokenBatch, dict[str, float]]:
+                       mesh: jax.sharding.Mesh, rules: BatchFilter, min_len: int = 64, *,
+                       rows_per_unit: int = 0, unit_multiple: int = 1) -> tuple[TokenBatch, dict[str, float]]:
     """The update's batch of every process's `trajectories` (untrained rows masked by `rules`,
     `rollout/rl_batch.py`) and its counts summed over processes: `[rows, seq]` with rows in
     process order and each process's rows padded to its equal share of `padded_rows(all rows)`.
+
+    `rows_per_unit > 0`: each group's trained rows packed as prefix trees of at most that many
+    rows (`rollout/packing.py`: the prompt they share computed once), every process with the
+    same number of units (a multiple of `unit_multiple` in all) and the same packed width; the
+    plain batch where no process's rows share a token. `packed_token_fraction` counts what the
+    packed rows hold of the rows' tokens (1 for plain rows).
 
     On one process it is the host batch (the jitted step places it); on several, global arrays
     (group ids made unique across processes; whole groups stay on one process, so the masking is
@@ -532,8 +539,27 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     if rows % n:
         raise ValueError(f"{rows} padded rows do not split over {n} processes")
     batch, counts = training_batch(trajectories, rules, seq_len=bucket(longest, min_len), batch_size=rows // n)
+    if rows_per_unit:
+        batch, counts["packed_token_fraction"] = _packed(batch, rows_per_unit, unit_multiple, min_len)
     if n == 1:
         return batch, counts
     counts = {k: sum(c[k] for c in distributed.gather_objects(counts)) for k in counts}
-    batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * (rows // n))  # dense ids < rows // n
+    counts["packed_token_fraction"] = counts.get("packed_token_fraction", n) / n
+    batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * batch.tokens.shape[0])  # unique ids
     return distributed.rows_from_processes(batch, partition.batch_sharding(mesh)), counts
+
+
+def _packed(batch: TokenBatch, rows_per_unit: int, unit_multiple: int, min_len: int) -> tuple[TokenBatch, float]:
+    """This process's rows packed into its share of the step's units (`global_token_batch`), and
+    the fraction of the rows' tokens the packed rows hold."""
+    units = packing.group_units(batch, rows_per_unit)
+    packed, plain = packing.packed_lengths(batch, units)
+    shares = distributed.gather_objects((len(units), max(packed, default=1), packed != plain, sum(packed), sum(plain)))
+    if not any(s[2] for s in shares):
+        return batch, 1.0
+    n = jax.process_count()
+    multiple = np.lcm(unit_multiple, n)
+    num_units = -(-max(s[0] for s in shares) * n // multiple) * multiple // n
+    width = bucket(max(s[1] for s in shares), min_len)
+    fraction = sum(s[3] for s in shares) / max(sum(s[4] for s in shares), 1)
+    return packing.pack(batch, units, rows_per_unit, num_units=num_units, width=width), fraction

@@ -79,9 +79,15 @@ def units_of(group_ids: np.ndarray, rows_per_unit: int, trained: np.ndarray) -> 
     return [rows[i : i + rows_per_unit] for rows in by_group.values() for i in range(0, len(rows), rows_per_unit)]
 
 
-def packed_length(batch: TokenBatch, unit: Sequence[int]) -> int:
-    """The tokens `unit`'s rows of `batch` take packed as one prefix tree."""
-    return len(prefix_tree(_rows(batch, unit))[0])
+def group_units(batch: TokenBatch, rows_per_unit: int) -> list[list[int]]:
+    """`units_of` the batch's groups and trained rows (a row with a loss token)."""
+    return units_of(np.asarray(batch.group_ids), rows_per_unit, np.any(np.asarray(batch.loss_mask) > 0, axis=1))
+
+
+def packed_lengths(batch: TokenBatch, units: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Per unit, the tokens it takes packed as one prefix tree and the tokens of its rows."""
+    rows = [_rows(batch, unit) for unit in units]
+    return [len(prefix_tree(r)[0]) for r in rows], [sum(len(x) for x in r) for r in rows]
 
 
 def pack(batch: TokenBatch, units: Sequence[Sequence[int]], rows_per_unit: int, *, num_units: int | None = None,
@@ -134,12 +140,17 @@ def _reordered(batch: TokenBatch, order: np.ndarray) -> TokenBatch:
         x = np.asarray(x)[taken]
         return np.where(empty.reshape(-1, *[1] * (x.ndim - 1)), fill, x).astype(x.dtype)
 
-    unused = int(np.max(batch.group_ids, initial=-1)) + 1 + np.arange(len(order))
+    # Group ids renumbered densely (0.. in order of first appearance), as `make_token_batch` has them:
+    # every id below the row count, what the estimators' segment sums assume.
+    dense: dict[int, int] = {}
+    kept = [dense.setdefault(int(g), len(dense)) for g in np.asarray(batch.group_ids)[order[~empty]]]
+    group_ids = np.empty(len(order), np.int32)
+    group_ids[~empty] = kept
+    group_ids[empty] = len(dense) + np.arange(int(empty.sum()))
     return batch.replace(
         tokens=take(batch.tokens, 0), positions=take(batch.positions, -1), loss_mask=take(batch.loss_mask, 0),
         old_logprobs=take(batch.old_logprobs, 0), token_rewards=take(batch.token_rewards, 0),
-        group_ids=np.where(empty, unused, np.asarray(batch.group_ids)[taken]).astype(np.int32),
-        scores=take(batch.scores, 0),
+        group_ids=group_ids, scores=take(batch.scores, 0),
     )
 
 
@@ -148,8 +159,8 @@ def pack_groups(batch: TokenBatch, rows_per_unit: int, *, num_units: int | None 
     """`batch` (host arrays) with each group's trained rows packed as prefix trees of at most
     `rows_per_unit` rows (`pack`); rows that train nothing are left out. Where no unit shares a
     token, the plain batch: packing would only move its padding."""
-    trained = np.any(np.asarray(batch.loss_mask) > 0, axis=1)
-    units = units_of(np.asarray(batch.group_ids), rows_per_unit, trained)
-    if all(packed_length(batch, unit) == sum(len(row) for row in _rows(batch, unit)) for unit in units):
+    units = group_units(batch, rows_per_unit)
+    packed, rows = packed_lengths(batch, units)
+    if packed == rows:
         return batch
     return pack(batch, units, rows_per_unit, num_units=num_units, width=width)

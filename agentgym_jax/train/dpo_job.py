@@ -35,7 +35,7 @@ from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.rollout.batch import bucket
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train import build, settings
-from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
+from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches, pair_layout, pair_width
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.state import make_optimizer, reference_params
 from agentgym_jax.train.steps import DPOBatch
@@ -82,15 +82,18 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
 
         # The steps: a batch of pairs, one shape for all (one compilation), empty rows to divide over the mesh.
         seq_len = bucket(max(len(t.token_ids) for pair in pairs for t in pair))
+        width = pair_width(pairs) if update.batching.shared_prefix else None  # a pair's two rows as one prefix tree
         rows = step_fns.padded_rows(config.train.batch_size)
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=start, write=is_writer(),
                                desc="dpo")
         metrics: dict[str, float] = {}
         for step in range(start, config.train.steps):
             picked = [pairs[i] for i in play.task_batch(range(len(pairs)), step, config.train.batch_size, config.seed)]
-            chosen, rejected = rows_from_host(pair_batches(picked, seq_len, rows), batch_sharding(mesh))
-            ref_chosen, ref_rejected = step_fns.dpo_reference(ref_params, chosen, rejected)
-            state, step_metrics = step_fns.dpo_update(state, DPOBatch(chosen, rejected, ref_chosen, ref_rejected))
+            chosen, rejected = pair_batches(picked, seq_len, rows)
+            layout = None if width is None else pair_layout(chosen, rejected, width)
+            chosen, rejected, layout = rows_from_host((chosen, rejected, layout), batch_sharding(mesh))
+            ref_chosen, ref_rejected = step_fns.dpo_reference(ref_params, chosen, rejected, layout)
+            state, step_metrics = step_fns.dpo_update(state, DPOBatch(chosen, rejected, ref_chosen, ref_rejected, layout))
             metrics = logger.log(step + 1, jax.device_get(step_metrics))
             ckpt.save(step + 1, (state, ref_params), {"step": step + 1, "pairs": len(pairs)},
                       force=step + 1 == config.train.steps)

@@ -14,8 +14,11 @@ import collections
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from agentgym_jax.envs.protocol import EpisodeStatus
-from agentgym_jax.rollout.batch import TokenBatch, bucket, make_token_batch
+from agentgym_jax.rollout import packing
+from agentgym_jax.rollout.batch import PackedRows, TokenBatch, bucket, make_token_batch
 from agentgym_jax.rollout.trajectory import Trajectory
 
 
@@ -60,3 +63,29 @@ def pair_batches(
     chosen = make_token_batch([p.chosen for p in pairs], seq_len, rows)
     rejected = make_token_batch([p.rejected for p in pairs], seq_len, rows)
     return chosen, rejected
+
+
+def pair_layout(chosen: TokenBatch, rejected: TokenBatch, width: int | None = None) -> PackedRows:
+    """Each pair's two rows (`pair_batches`) packed as one prefix tree: the prompt and the turns a
+    success and a failure of one task share, computed once (`rollout/packing.py`)."""
+    rows = interleaved(chosen, rejected)
+    pairs = chosen.tokens.shape[0]
+    return packing.pack(rows, [[2 * i, 2 * i + 1] for i in range(pairs)], 2, width=width).layout
+
+
+def pair_width(pairs: Sequence[PreferencePair]) -> int:
+    """The bucket of the longest pair packed as a prefix tree: one width for every batch of `pairs`."""
+    chosen, rejected = pair_batches(pairs)
+    rows = interleaved(chosen, rejected)
+    packed, _ = packing.packed_lengths(rows, [[2 * i, 2 * i + 1] for i in range(len(pairs))])
+    return bucket(max(packed))
+
+
+def interleaved(chosen: TokenBatch, rejected: TokenBatch) -> TokenBatch:
+    """Host rows chosen 0, rejected 0, chosen 1, ... (what `steps.pair_logprobs` scores with a layout)."""
+    def weave(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return np.stack([a, b], axis=1).reshape(-1, *a.shape[1:])
+
+    return TokenBatch(*(weave(getattr(chosen, f), getattr(rejected, f)) for f in
+                        ("tokens", "positions", "loss_mask", "old_logprobs", "token_rewards", "group_ids", "scores")))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import pathlib
 import time
 
@@ -100,6 +101,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer(),
                                desc="rl")
         rules = settings.batch_filter(config)
+        # algo.shared_prefix: each group's rows packed as one prefix tree (its prompt computed once), whole
+        # units (groups) per micro-batch and per batch shard.
+        packed = dict(rows_per_unit=config.rollout.group_size, unit_multiple=math.lcm(
+            step_fns.row_shards, update.batching.num_minibatches * update.batching.num_microbatches),
+        ) if update.batching.shared_prefix else {}
         plan = rl_episodes.StepPlan(schedule, curriculum, info, config.rollout.batch_tasks, config.seed, config.train.steps)
         positions = meta.get("episodes") or [{}] * jax.process_count()  # each process's stream, where it stood
         source = rl_episodes.of(plan, train_engine, settings.async_rollout(config, update.rl.corrects_off_policy),
@@ -111,7 +117,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
-                trajectories, step_fns.padded_rows, mesh, rules)  # empty rows: rows divide over the mesh
+                trajectories, step_fns.padded_rows, mesh, rules, **packed)  # empty rows: rows divide over the mesh
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
                                                      *(c.params for c in critic))

@@ -71,8 +71,8 @@ def forward_pass(config: ml_collections.ConfigDict, model: ModelConfig) -> Forwa
     kernels and LoRA scale."""
     try:
         return Forward(model, compute_dtype=config.model.compute_dtype, remat=config.model.remat,
-                       logprob_chunk=config.model.logprob_chunk, kernels=job_settings.attention_kernels(config),
-                       lora_scale=job_settings.tuning(config).lora_scale)
+                       logprob_chunk=config.model.logprob_chunk, logprobs_at=config.model.get("logprobs_at", "all"),
+                       kernels=job_settings.attention_kernels(config), lora_scale=job_settings.tuning(config).lora_scale)
     except ValueError as e:
         raise ConfigError(f"config.model: {e}") from e
 
@@ -209,11 +209,14 @@ def check_curriculum(plan: Curriculum, train_ids: Sequence[int], metadata: Mappi
 
 def check_step_rows(config: ml_collections.ConfigDict, update: UpdateConfig, padded_rows: Callable[[int], int]) -> None:
     """Refuses, when the job opens, a step's batch (`rollout.batch_tasks x rollout.group_size`
-    rows, padded over the mesh) that the update cannot cut into its mini- and micro-batches,
-    which the first update would otherwise find after SFT and the first rollout."""
-    rows = padded_rows(config.rollout.batch_tasks * config.rollout.group_size)
+    rows, padded over the mesh; with `algo.shared_prefix`, its `rollout.batch_tasks` groups) that
+    the update cannot cut into its mini- and micro-batches, which the first update would
+    otherwise find after SFT and the first rollout."""
+    groups = config.rollout.batch_tasks
+    rows = padded_rows(groups if update.batching.shared_prefix else groups * config.rollout.group_size)
     try:
         check_microbatches(rows, update)
     except ValueError as e:
-        raise ConfigError(f"{e} (rollout.batch_tasks x rollout.group_size, algo.num_minibatches x "
-                          "algo.num_microbatches)") from e
+        units = "rollout.batch_tasks groups (algo.shared_prefix)" if update.batching.shared_prefix else \
+            "rollout.batch_tasks x rollout.group_size"
+        raise ConfigError(f"{e} ({units}, algo.num_minibatches x algo.num_microbatches)") from e

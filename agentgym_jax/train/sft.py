@@ -21,6 +21,7 @@ from agentgym_jax.parallel.distributed import is_writer, rows_from_host
 from agentgym_jax.parallel.partition import batch_sharding
 from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.batch import bucket, length_grouped_batches, make_token_batch
+from agentgym_jax.rollout.packing import pack_groups
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.train import settings
 from agentgym_jax.train.state import TrainState, make_optimizer
@@ -61,6 +62,8 @@ def sft_train(
         state = jax.device_put(state, shardings)
     step_fns = step_fns or make_step_fns(config, mesh, shardings)
     rows_per_batch = step_fns.padded_rows(batch_size)
+    # Shared prefixes (the environment's instruction) once per unit: the rows one device runs per micro-batch.
+    rows_per_unit = rows_per_batch // (config.batching.num_microbatches * step_fns.row_shards)
     lengths = [len(t.token_ids) for t in trajectories]
     rng = np.random.default_rng(seed)
     history = []
@@ -70,6 +73,9 @@ def sft_train(
                 rows = [trajectories[i] for i in picked]
                 seq_len = bucket(max(lengths[i] for i in picked))
                 batch = make_token_batch(rows, seq_len=seq_len, batch_size=rows_per_batch)  # pads with id 0, inside any vocabulary
+                if config.batching.shared_prefix and rows_per_unit > 1:
+                    units = batch.replace(group_ids=np.arange(rows_per_batch, dtype=np.int32) // rows_per_unit)
+                    batch = pack_groups(units, rows_per_unit, num_units=rows_per_batch // rows_per_unit)
                 if mesh is not None:
                     batch = rows_from_host(batch, batch_sharding(mesh))
                 state, metrics = step_fns.sft_update(state, batch)

@@ -96,6 +96,7 @@ class Batching:
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
     length_buckets: int = 1  # > 1: micro-batches grouped by length, each run at its own (`length_buckets()`)
+    shared_prefix: bool = False  # each group's rows packed as one prefix tree (`rollout/packing.py`), cut by units
     agg_mode: str = "token-mean"  # one of rl.masked.LOSS_AGG_MODES
     loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
 
@@ -571,8 +572,9 @@ def dpo_update(state: TrainState, batch: DPOBatch, config: UpdateConfig) -> tupl
 
 def check_microbatches(batch: Any, config: UpdateConfig) -> None:
     """A clear error unless `batch`'s units (its rows, or its packed prefix trees; or a count of
-    rows) cut into the update's mini- and micro-batches, each a multiple of the mesh's batch shards."""
-    packed = not isinstance(batch, int) and getattr(batch, "layout", None) is not None
+    them, units with `Batching.shared_prefix`) cut into the update's mini- and micro-batches,
+    each a multiple of the mesh's batch shards."""
+    packed = config.batching.shared_prefix if isinstance(batch, int) else getattr(batch, "layout", None) is not None
     units = batch if isinstance(batch, int) else microbatch.count_units(batch)
     activations = config.forward.activation_sharding
     microbatch.check_parts(units, config.batching.num_minibatches, config.batching.num_microbatches,
