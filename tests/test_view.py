@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import pytest
 
+from agentgym_jax import progress
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.eval import runner
 from agentgym_jax.models import decoder, hf_checkpoint
@@ -132,9 +133,13 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     config.envs, config.task_ids, config.horizon, config.out_dir = "room", "6", 3, str(root / "model")
     config.policy, config.group_size, config.temperature = f"hf:{root / 'hf'}", 2, 1.0
     config.rollout.max_tokens_per_turn, config.rollout.max_cache_len = 4, 512
-    runner.run(config)
+    log = io.StringIO()  # what a log shows while it runs (test_a_short_evaluation_logs_...)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(log):
+        patch.setattr(progress, "INTERVAL_S", 0.0)  # a line at every report: the run is short
+        runner.run(config)
+    (root / "model.log").write_text(log.getvalue())
     bench.write_synthetic_run(root / "big.jsonl", BIG, turns=3, turn_tokens=2, prompt_tokens=3)
-    return {"oracle": root / "oracle", "model": root / "model", "big": root / "big.jsonl"}
+    return {"oracle": root / "oracle", "model": root / "model", "big": root / "big.jsonl", "model_log": root / "model.log"}
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +149,21 @@ def text(runs) -> TokenText:
 
 def records(run: pathlib.Path) -> list[Trajectory]:
     return list(read_jsonl(str(run / "trajectories.jsonl")))
+
+
+def test_a_short_evaluation_logs_turns_tokens_and_an_eta(runs):
+    """The model's evaluation (12 episodes in one batch, which finish together) says in its log
+    lines, before any episode has finished, how many turns it played and tokens it decoded and
+    when it should end; its last line counts every turn and sampled token of its records."""
+    lines = [line for line in runs["model_log"].read_text().splitlines() if line.startswith("room ")]
+    counts = [dict(kv.split("=") for kv in line.split(" | ")[-1].split()) for line in lines if "turns=" in line]
+    waiting = [line for line in lines if line.startswith("room 0/12 episodes") and "ETA " in line]
+    assert waiting and all(int(dict(kv.split("=") for kv in w.split(" | ")[-1].split())["tokens"]) > 0 for w in waiting)
+    turns = [int(c["turns"]) for c in counts]
+    assert turns == sorted(turns) and 0 < turns[len(turns) // 2] < turns[-1]
+    model = records(runs["model"])
+    assert lines[-1].startswith("room 12/12 episodes | ") and counts[-1] == {
+        "turns": str(sum(t.num_turns for t in model)), "tokens": str(sum(sum(t.loss_mask) for t in model))}
 
 
 def test_token_pieces_join_to_the_decoded_text(text):
