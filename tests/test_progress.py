@@ -69,7 +69,16 @@ def test_a_terminal_without_a_width_gets_lines():
             assert stream.isatty()
             with Progress("eval", 2, "episode", enabled=True, stream=stream) as progress:
                 progress.set(2)
-        out = os.read(master, 4096).decode()
+        chunks = []
+        while True:  # a pseudo-terminal may hand its lines over one read at a time; EIO once drained
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = b"".join(chunks).decode()
     finally:
         os.close(master)
     assert "eval 2/2 episodes | " in out
