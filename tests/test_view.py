@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from configs import eval as eval_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIG = 100_000  # episodes of the synthetic run
+RUNS = ("oracle", "model", "big", "few", "alone")  # the viewer's runs 0..4
 EOT = 2  # the synthetic run's end-of-turn id
 
 _spec = importlib.util.spec_from_file_location("bench_view_index", REPO / "bench" / "view_index.py")
@@ -123,7 +125,8 @@ def small_random_model(tokenizer_dir: pathlib.Path, out: pathlib.Path) -> None:
 def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     """`oracle`: the oracle on 6 room test tasks; `model`: a random model on the same tasks, 2
     samples each, horizon 3, 4 tokens a turn (its tokenizer named by run.json's `hf:` policy);
-    `big`: a synthetic run of 100k episodes in a lone JSONL file (no tokenizer)."""
+    `big`: a synthetic run of 100k episodes in a lone JSONL file (no tokenizer); `few`: the
+    oracle's first 3 episodes, `alone`: one episode of a task no other run has (lone files)."""
     root = tmp_path_factory.mktemp("view_runs")
     config = eval_config.get_config()
     config.envs, config.task_ids, config.horizon, config.out_dir = "room", "6", 12, str(root / "oracle")
@@ -139,7 +142,11 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
         runner.run(config)
     (root / "model.log").write_text(log.getvalue())
     bench.write_synthetic_run(root / "big.jsonl", BIG, turns=3, turn_tokens=2, prompt_tokens=3)
-    return {"oracle": root / "oracle", "model": root / "model", "big": root / "big.jsonl", "model_log": root / "model.log"}
+    lines = (root / "oracle" / "trajectories.jsonl").read_text().splitlines(keepends=True)
+    (root / "few.jsonl").write_text("".join(lines[:3]))
+    (root / "alone.jsonl").write_text(json.dumps({**json.loads(lines[0]), "task_id": 9999}) + "\n")
+    return {"oracle": root / "oracle", "model": root / "model", "big": root / "big.jsonl", "model_log": root / "model.log",
+            "few": root / "few.jsonl", "alone": root / "alone.jsonl"}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +214,32 @@ def test_each_run_finds_its_own_tokenizer(runs, tmp_path, monkeypatch):
     assert find_tokenizer(runs["big"]) == (None, f"no tokenizer/ or run.json in {runs['big'].parent} or {runs['big'].parent.parent}")
 
 
+def test_the_tokenizer_flag_takes_every_policy_a_job_takes(runs, tmp_path, monkeypatch, capsys):
+    """`--tokenizer` as a folder or as any policy a job takes (`pretrained:<name>` as
+    `models/fetch.py` keeps it, `hf:<dir>`, `hf:<org>/<name>`, `checkpoint:<dir>`); each decodes
+    the run, and a name that is no model is refused in one line naming the known ones."""
+    from agentgym_jax.view.__main__ import open_runs
+
+    monkeypatch.setenv("AGENTGYM_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = runs["oracle"] / "tokenizer"
+    shutil.copytree(source, tmp_path / "models" / "smollm2-135m-instruct")
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc123"
+    shutil.copytree(source, snapshot)
+    shutil.copytree(source, tmp_path / "job" / "tokenizer")
+    t = records(runs["model"])[0]
+    for spec, folder in ((str(source), source), ("pretrained:smollm2-135m-instruct", tmp_path / "models" / "smollm2-135m-instruct"),
+                         (f"hf:{source}", source), ("hf:Org/Tiny", snapshot), (f"checkpoint:{tmp_path / 'job'}", tmp_path / "job" / "tokenizer")):
+        (run,) = open_runs([str(runs["model"])], spec)
+        assert run.text is not None and run.tokenizer.startswith(f"{folder} (--tokenizer"), (spec, run.tokenizer)
+        assert "".join(run.text.pieces(t.token_ids)) == t.text
+    assert f"tokenizer: {snapshot} (--tokenizer=hf:Org/Tiny)" in capsys.readouterr().out
+    for spec, says in (("pretrained:nothing", "--tokenizer=pretrained:nothing: unknown pretrained model 'nothing'; known: smollm2"),
+                       ("hf:Org/Absent", "--tokenizer=hf:Org/Absent: hf:Org/Absent is not in the Hugging Face cache")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            open_runs([str(runs["model"])], spec)
+
+
 def test_the_index_holds_what_the_records_say(runs, text):
     for name in ("oracle", "model"):
         expected = records(runs[name])
@@ -216,7 +249,7 @@ def test_the_index_holds_what_the_records_say(runs, text):
         assert len(got) == len(expected) == {"oracle": 6, "model": 12}[name]
         for summary, t in zip(got, expected):
             assert (summary["env"], summary["task_id"], summary["sample_idx"], summary["attempt"], summary["step"]) == (
-                t.env, t.task_id, t.sample_idx, t.attempt, t.policy_version)
+                t.env, t.task_id, t.sample_idx, t.attempt, 0)  # step 0: no update trained on an evaluation's episodes
             assert (summary["status"], summary["reward"], summary["turns"], summary["tokens"], summary["invalid_actions"]) == (
                 t.status.value, t.reward, t.num_turns, len(t.token_ids), t.invalid_actions)
             assert index.read(summary["id"]) == t
@@ -234,7 +267,7 @@ def test_the_index_holds_what_the_records_say(runs, text):
         cut = any(t.token_ids[end - 1] != im_end for _, end in t.turn_spans)
         assert ("truncated_turn" in s["patterns"]) == cut
         assert ("invalid_streak" in s["patterns"]) == (t.invalid_actions == 3)
-    assert len(model.select(Filter(pattern="max_turns", step=(-1, -1)))) == 12
+    assert len(model.select(Filter(pattern="max_turns", step=(0, 0)))) == 12  # step 0: no update trained on them
     assert len(model.select(Filter(status="success"))) == 0 and len(model.select(Filter(env="maze"))) == 0
 
 
@@ -287,8 +320,8 @@ def test_the_episode_view_is_the_record_token_for_token(runs, text):
 
 @pytest.fixture(scope="module")
 def viewer(runs):
-    """`python -m agentgym_jax.view <oracle> <model> <big.jsonl> --port=0`; yields its URL."""
-    cmd = [sys.executable, "-m", "agentgym_jax.view", str(runs["oracle"]), str(runs["model"]), str(runs["big"]), "--port=0"]
+    """`python -m agentgym_jax.view <oracle> <model> <big.jsonl> <few.jsonl> <alone.jsonl> --port=0`; yields its URL."""
+    cmd = [sys.executable, "-m", "agentgym_jax.view", *(str(runs[name]) for name in RUNS), "--port=0"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
@@ -326,7 +359,8 @@ def big_rows(**where) -> list[int]:
     """The synthetic run's episodes with the fields `where` asks for, from the generator's rules."""
     rules = dict(
         status=lambda i: bench.STATUSES[i % 7], env=lambda i: ("room", "maze")[i % 2],
-        step=lambda i: i * 100 // BIG, task=lambda i: i % 1000, reward=lambda i: (i % 5) / 4,
+        step=lambda i: i * 100 // BIG + 1,  # trained in that RL step (train_step + 1)
+        task=lambda i: i % 1000, reward=lambda i: (i % 5) / 4,
         repeated=lambda i: i % 3 == 0, truncated=lambda i: i % 6 == 1,
         invalid_streak=lambda i: i % 4 == 3 or bench.STATUSES[i % 7] == "invalid_action_limit",
     )
@@ -335,8 +369,9 @@ def big_rows(**where) -> list[int]:
 
 def test_the_api_pages_filters_and_refuses_bad_requests(viewer):
     status, info = get(f"{viewer}/api/runs")
-    assert status == 200 and [r["episodes"] for r in info["runs"]] == [6, 12, BIG]
-    assert [(r["decoded"], r["truncation_checked"]) for r in info["runs"]] == [(True, True), (True, True), (False, False)]
+    assert status == 200 and [r["episodes"] for r in info["runs"]] == [6, 12, BIG, 3, 1]
+    assert [(r["decoded"], r["truncation_checked"]) for r in info["runs"]] == [(True, True)] * 2 + [(False, False)] * 3
+    assert info["runs"][2]["steps"] == [1, 100]  # numbered as metrics.jsonl numbers them
 
     status, page = get(f"{viewer}/api/episodes?run=2&offset=99990&limit=50")
     assert page["total"] == BIG and [e["id"] for e in page["episodes"]] == list(range(99990, BIG))
@@ -347,20 +382,20 @@ def test_the_api_pages_filters_and_refuses_bad_requests(viewer):
     status, page = get(f"{viewer}/api/episodes?run=2&env=maze&task=5:9&reward_min=0.5&offset=10")
     assert page["total"] == len(big_rows(env="maze".__eq__, task=lambda t: 5 <= t <= 9, reward=lambda r: r >= 0.5))
 
-    status, counts = get(f"{viewer}/api/patterns?run=2&step=0:1")
-    assert counts["steps"] == [0, 1] and sum(counts["episodes"]) == len(big_rows(step=lambda s: s <= 1))
+    status, counts = get(f"{viewer}/api/patterns?run=2&step=1:2")
+    assert counts["steps"] == [1, 2] and sum(counts["episodes"]) == len(big_rows(step=lambda s: s <= 2))
     for pattern, rule in (("repeated_action", "repeated"), ("invalid_streak", "invalid_streak")):
-        per_step = [len(big_rows(step=step.__eq__, **{rule: bool})) for step in (0, 1)]
+        per_step = [len(big_rows(step=step.__eq__, **{rule: bool})) for step in (1, 2)]
         assert counts["patterns"][pattern] == per_step, pattern
     assert counts["patterns"]["truncated_turn"] == [0, 0]  # no tokenizer, no end-of-turn id: not looked for
-    assert counts["patterns"]["max_turns"] == [len(big_rows(step=s.__eq__, status="max_turns".__eq__)) for s in (0, 1)]
+    assert counts["patterns"]["max_turns"] == [len(big_rows(step=s.__eq__, status="max_turns".__eq__)) for s in (1, 2)]
 
     status, task = get(f"{viewer}/api/task?env=room&task=4")
-    assert status == 200 and len(task["runs"]) == 3
+    assert status == 200 and len(task["runs"]) == 5
     assert [e["sample_idx"] for e in task["runs"][1]["episodes"]] == [0, 1]
 
     for path, code, says in (
-        ("/api/episodes?run=3", 404, "there are 3 runs"),
+        ("/api/episodes?run=5", 404, "there are 5 runs"),
         ("/api/episodes?run=x", 400, "is not an integer"),
         ("/api/episodes?run=2&limit=0", 400, "outside [1, 500]"),
         ("/api/episodes?run=2&step=3-5", 400, "want an integer or a range"),
