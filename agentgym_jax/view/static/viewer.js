@@ -58,7 +58,7 @@ async function loadRuns() {
   $("runs").innerHTML = "";
   for (const r of info.runs) {
     const notes = [];
-    if (!r.decoded) notes.push(node("span", { class: "warn" }, ` no tokenizer (${r.tokenizer}): ids shown`));
+    if (!r.decoded) notes.push(node("span", { class: "warn", title: r.tokenizer }, " no tokenizer: ids shown"));
     if (r.bad_lines) notes.push(node("span", { class: "warn", title: r.bad_line_examples.join("\n") }, ` ${r.bad_lines} unreadable lines skipped`));
     $("runs").append(node("span", { class: "run", title: `files: ${r.files.join(", ")}\ntokenizer: ${r.tokenizer}` },
       `[${r.run}] ${r.name}: ${r.episodes} episodes`, ...notes));
@@ -119,9 +119,9 @@ function renderList(page, empty = "no episodes match") {
     const row = node("tr", { "data-id": e.id, onclick: () => openEpisode($("pane-a"), run, e.id, row) },
       node("td", {}, String(e.id)), node("td", {}, e.env), node("td", {}, String(e.task_id)),
       node("td", {}, String(e.sample_idx)), node("td", {}, String(e.attempt)), node("td", {}, stepText(e.step)),
-      node("td", { class: `status-${e.status}` }, wrappable(e.status)), node("td", {}, e.reward.toFixed(3)),
+      node("td", { class: `wraps status-${e.status}` }, wrappable(e.status)), node("td", {}, e.reward.toFixed(3)),
       node("td", {}, String(e.turns)), node("td", {}, String(e.tokens)), node("td", {}, String(e.invalid_actions)),
-      node("td", {}, ...tags));
+      node("td", { class: "wraps" }, ...tags));
     row.classList.toggle("open", openInList.run === run && openInList.id === e.id);
     body.append(row);
   }
