@@ -4,6 +4,8 @@ environment over a real MCP server's tools (`tests/mcp_notes_server.py`) with a 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import anyio
@@ -170,3 +172,14 @@ def test_tool_names_that_clash_with_the_environments_own_are_refused():
     with pytest.raises(ValueError, match="clash"):  # the bridge of a tool environment lists `finish` itself
         mcp_environment("again", [sys.executable, "-m", "environments.mcp.server", "--env=todo"],
                         [{"goal": "anything"}], lambda episode: True, cwd=str(REPO), env={"PYTHONPATH": str(REPO)})
+
+
+def test_a_module_that_cannot_be_imported_is_named_with_what_to_do(tmp_path):
+    """`--env=my_module:MyEnv` needs `my_module` importable: run from another folder, the bridge
+    says so in one line (stdout stays the protocol's) instead of a traceback."""
+    done = subprocess.run([sys.executable, "-m", "environments.mcp.server", "--env=my_notes_envs:NotesEnv"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip() == ("error: --env=my_notes_envs:NotesEnv: no module named 'my_notes_envs' here; "
+                                   "run from the folder that holds it, or add that folder to PYTHONPATH")

@@ -138,18 +138,18 @@ def test_a_batch_whose_episodes_finish_together_shows_turns_tokens_and_an_eta(cl
 def test_a_phase_shown_after_a_while_stays_quiet_when_short(clock):
     """An RL step's rollout shows only once it has run `show_after_s` (then its last line too)."""
     log = io.StringIO()
-    with Progress("rl step 3 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as short:
+    with Progress("step 3 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as short:
         clock.now = 5.0
         short.set(8, work=1.0)
     assert log.getvalue() == ""
     clock.now = 100.0
-    with Progress("rl step 4 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as long:
+    with Progress("step 4 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as long:
         long.set(2, work=0.5, turns=20)
         clock.now = 112.0  # the heartbeat shows it
-        assert wait_for_lines(log, 1) == ["rl step 4 rollout 2/8 episodes | 6 s/episode | 0:12 elapsed | ETA 0:12 | turns=20"]
+        assert wait_for_lines(log, 1) == ["step 4 rollout 2/8 episodes | 6 s/episode | 0:12 elapsed | ETA 0:12 | turns=20"]
         clock.now = 120.0
         long.set(8, work=1.0, turns=40)
-    assert log.getvalue().splitlines()[-1] == "rl step 4 rollout 8/8 episodes | 1.33 s/episode | 0:20 elapsed | turns=40"
+    assert log.getvalue().splitlines()[-1] == "step 4 rollout 8/8 episodes | 1.33 s/episode | 0:20 elapsed | turns=40"
 
 
 def _report(before: float, after: float, tasks: int = 64) -> dict:

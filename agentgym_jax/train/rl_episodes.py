@@ -95,7 +95,7 @@ class Synchronous:
         horizon = self.plan.schedule.horizon(step)
         start = time.time()
         episodes = len(tasks) * self.engine.config.group_size
-        with Progress(f"rl step {step + 1} rollout", episodes, "episode", show_after_s=INTERVAL_S) as bar:  # a long one
+        with Progress(f"step {step + 1} rollout", episodes, "episode", show_after_s=INTERVAL_S) as bar:  # a long one
             trajectories = self.engine.run(
                 policy(), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
                 policy_version=step, group_offset=first, on_progress=show_rollout(bar),

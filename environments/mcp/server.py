@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 import anyio
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--perturbation", default="", help="as environments.serve's --perturbation")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)  # stdout carries the protocol; logs go to stderr
-    env_cls = perturbed(resolve_environment(args.env), Perturbation.parse(args.perturbation))
+    try:
+        env_cls = perturbed(resolve_environment(args.env), Perturbation.parse(args.perturbation))
+    except (KeyError, ValueError, ImportError) as e:  # stdout is the protocol's: one line on stderr
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
     server = make_server(env_cls)
 
     async def run() -> None:
