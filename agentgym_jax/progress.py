@@ -29,8 +29,21 @@ import tqdm
 
 from agentgym_jax.parallel.distributed import is_writer
 
-INTERVAL_S = float(os.environ.get("AGENTGYM_PROGRESS_INTERVAL_S", "10"))
 TICK_S = 1.0  # how often a bar's clock and a log's heartbeat are looked at
+
+
+def _interval_s() -> float:
+    raw = os.environ.get("AGENTGYM_PROGRESS_INTERVAL_S", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"AGENTGYM_PROGRESS_INTERVAL_S={raw!r} is not valid: want seconds >= 0 (0: a line per update)")
+    return value
+
+
+INTERVAL_S = _interval_s()  # the default spacing of a log's lines
 
 
 def _is_terminal(stream: TextIO) -> bool:
