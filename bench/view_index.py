@@ -43,8 +43,9 @@ END_OF_TURN = 2
 
 
 def synthetic_record(i: int, *, turns: int, turn_tokens: int, prompt_tokens: int, steps: int, episodes: int) -> dict:
-    """Episode `i` of a synthetic run: env `("room", "maze")[i % 2]`, task `i % 1000`, step
-    `i * steps // episodes`, status `STATUSES[i % 7]`, reward `(i % 5) / 4`, `i % 4` invalid
+    """Episode `i` of a synthetic run: env `("room", "maze")[i % 2]`, task `i % 1000`, sampled and
+    trained in the RL step `i * steps // episodes + 1` (as an RL run records it: `policy_version`
+    and `train_step` one less, the viewer's step as `metrics.jsonl` numbers it), status `STATUSES[i % 7]`, reward `(i % 5) / 4`, `i % 4` invalid
     actions (at most `turns`); every policy turn ends with END_OF_TURN except when `i % 6 == 1`
     (the last turn is cut), and when `i % 3 == 0` every turn samples the same ids."""
     ids = [1 + (i + k) % 500 for k in range(prompt_tokens)]
@@ -65,7 +66,7 @@ def synthetic_record(i: int, *, turns: int, turn_tokens: int, prompt_tokens: int
         task_id=i % 1000, env=("room", "maze")[i % 2], group_id=i % 1000, token_ids=ids, loss_mask=mask,
         logprobs=logprobs, turn_spans=spans, turn_rewards=[0.0] * turns, reward=(i % 5) / 4,
         status=STATUSES[i % len(STATUSES)], invalid_actions=min(i % 4, turns), sample_idx=0, attempt=0,
-        policy_version=i * steps // episodes, timings={}, text="",
+        policy_version=i * steps // episodes, train_step=i * steps // episodes, timings={}, text="",
     )
 
 

@@ -85,6 +85,12 @@ class PerturbedEnvironment(Environment):
 
     perturbation: ClassVar[Perturbation]
 
+    def __init__(self) -> None:
+        super().__init__()
+        # A session can be asked for its tools and observation before its first reset (an MCP
+        # client lists tools as it connects; `GET /tools?id=` right after `/create`).
+        self._task_id, self._turn, self._perturbed = -1, 0, ""
+
     def reset(self, data_idx: int) -> str:
         self._task_id, self._turn = data_idx, 0
         self._perturbed = super().reset(data_idx)
@@ -114,6 +120,10 @@ class PerturbedEnvironment(Environment):
 
 class PerturbedToolEnvironment(PerturbedEnvironment, ToolEnvironment):
     """Adds renamed parameters and hidden tools to a tool environment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._discovered = False
 
     def reset(self, data_idx: int) -> str:
         self._discovered = False

@@ -32,7 +32,14 @@ def resolve_environment(spec: str) -> type[Environment]:
     """A registered name or `module:Class` -> the environment class; a clear error otherwise."""
     if ":" in spec:
         module, _, name = spec.partition(":")
-        cls = getattr(importlib.import_module(module), name, None)
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module.split(".")[0]:
+                raise  # a module the user's module imports
+            raise ValueError(f"--env={spec}: no module named {module!r} here; run from the folder that holds it, "
+                             "or add that folder to PYTHONPATH") from None
+        cls = getattr(loaded, name, None)
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise ValueError(f"{spec!r} is not an Environment subclass")
         return cls

@@ -189,6 +189,27 @@ def test_bad_requests_get_openai_errors_and_the_gateway_goes_on(gateway):
     assert status == 200 and answer["agentgym"]["conversation_id"] != conversation
 
 
+def test_the_viewer_reads_a_gateway_run_on_its_own(gateway, policy):
+    """The gateway leaves `run.json` and `tokenizer/` beside its trajectories: the viewer opened on
+    its out_dir with no flag decodes a recorded conversation, every token as text."""
+    from agentgym_jax.view.__main__ import open_runs
+    from agentgym_jax.view.episode import episode_view
+
+    base_url, out_dir = gateway
+    spec = json.loads((out_dir / "run.json").read_text())
+    assert spec["mode"] == "gateway" and spec["policy"] == f"hf:{policy[0]}" and spec["temperature"] == 1.0
+    good = {"model": "policy", "messages": [{"role": "user", "content": "Which venue?"}], "max_tokens": 3}
+    status, answer = post(f"{base_url}/chat/completions", good)
+    conversation = answer["agentgym"]["conversation_id"]
+    assert post(f"{base_url}/conversations/{conversation}/reward", {"reward": 1.0, "success": True, "task_id": 808})[0] == 200
+    (run,) = open_runs([str(out_dir)])  # no --tokenizer
+    assert run.text is not None and run.tokenizer == str(out_dir / "tokenizer")
+    row = next(r for r in range(len(run.index)) if run.index.read(r).task_id == 808)
+    record, view = run.index.read(row), episode_view(run.index.read(row), run.text)
+    pieces = view["prompt"]["text"] + [x for turn in view["turns"] for seg in ("policy", "observation") for x in turn[seg]["text"]]
+    assert "".join(pieces) == load_tokenizer(policy[0]).decode(record.token_ids) and "Which venue?" in "".join(pieces)
+
+
 def test_a_conversation_continues_on_its_cache_and_streams(gateway, policy):
     base_url, _ = gateway
     tokenizer = load_tokenizer(policy[0])

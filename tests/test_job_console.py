@@ -35,6 +35,7 @@ def test_a_tiny_job_as_its_user_sees_it(tmp_path):
     workdir = tmp_path / "rl"
     overrides, done = _tiny_run(workdir)
     _check_every_phase_shows_its_progress_as_plain_lines(done)
+    _check_the_viewer_numbers_steps_as_metrics_jsonl(workdir)
     _check_a_finished_job_run_again_prints_its_report_and_changes_nothing(workdir, overrides, done)
     _check_outputs_hold_no_warning_about_how_the_job_started(workdir, done, tmp_path / "eval")
 
@@ -56,14 +57,28 @@ def _check_every_phase_shows_its_progress_as_plain_lines(done) -> None:
     step_lines = _progress_lines(done.stderr, "rl")[1:]
     assert len(step_lines) == STEPS  # one line per RL step
     for step, line in enumerate(step_lines, start=1):
-        match = re.fullmatch(rf"rl {step}/{STEPS} steps \| ([\d.]+) s/step \| \d+:\d\d elapsed \| success_rate=(\S+) "
-                             r"horizon=(\d+) .*", line)
+        match = re.fullmatch(rf"rl {step}/{STEPS} steps \| ([\d.]+) s/step \| \d+:\d\d elapsed (\| ETA \d+:\d\d )?"
+                             r"\| success_rate=(\S+) horizon=(\d+) .*", line)
         assert match, line
-        assert float(match[1]) > 0 and 0 <= float(match[2]) <= 1 and int(match[3]) == step  # horizon (1, 2)
+        assert float(match[1]) > 0 and 0 <= float(match[3]) <= 1 and int(match[4]) == step  # horizon (1, 2)
+        assert (match[2] is not None) == (step < STEPS)  # the ETA, until the last step
     assert "nll=" in _progress_lines(done.stderr, "sft")[-1]
     order = [next(i for i, line in enumerate(done.stderr.splitlines()) if line.startswith(f"{phase} "))
              for phase in counts]
     assert order == sorted(order)  # the phases in the order the job runs them
+
+
+def _check_the_viewer_numbers_steps_as_metrics_jsonl(workdir) -> None:
+    """The viewer's step N is metrics.jsonl's step N: the episodes it lists under step N are the
+    ones whose success rate metrics.jsonl logged for step N."""
+    from agentgym_jax.view.index import Filter, RunIndex, run_files
+
+    index = RunIndex("rl", run_files(workdir))
+    counts = index.step_counts(index.select(Filter()))
+    metrics = {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+    assert counts["steps"] == sorted(metrics) == list(range(1, STEPS + 1))
+    for step, episodes, success in zip(counts["steps"], counts["episodes"], counts["success"]):
+        assert success / episodes == pytest.approx(metrics[step]["success_rate"]), step
 
 
 def _check_a_finished_job_run_again_prints_its_report_and_changes_nothing(workdir, overrides, first) -> None:

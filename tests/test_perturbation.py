@@ -81,6 +81,9 @@ def test_failing_tools_change_nothing_and_the_oracle_retries_through():
 
 def test_renamed_parameters_are_refused_by_their_old_names_and_shown_by_tools():
     with start_server("weather", perturbation="schema_change=2") as url:
+        fresh = request_json(url, "POST", "/create", {})[1]["id"]  # a session's tools before its first reset
+        status, listed = request_json(url, "GET", f"/tools?id={fresh}")
+        assert status == 200 and {t["function"]["name"] for t in listed["tools"]} >= {"get_latitude_longitude", "finish"}
         session = episode(url, 6)
         before = request_json(url, "GET", f"/tools?id={session}")[1]["tools"]
         call = format_agentgym(ToolCall("get_latitude_longitude", {"name": "Seattle"}))
@@ -102,6 +105,9 @@ def test_hidden_tools_are_found_with_check_valid_actions():
         hidden = {"get_hourly_weather", "get_distance"}
         assert not hidden & {t["function"]["name"] for t in tasks["metadata"]["tools"]}
         assert "Name: get_distance" not in tasks["instruction"] and "check_valid_actions lists every tool" in tasks["instruction"]
+        fresh = request_json(url, "POST", "/create", {})[1]["id"]  # before its first reset: hidden already
+        status, listed = request_json(url, "GET", f"/tools?id={fresh}")
+        assert status == 200 and not hidden & {t["function"]["name"] for t in listed["tools"]}
         session = episode(url, 0)
         assert not hidden & {t["function"]["name"] for t in request_json(url, "GET", f"/tools?id={session}")[1]["tools"]}
         listed = step(url, session, "Action: check_valid_actions with Action Input: {}")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import numpy as np
 import pytest
 
+from agentgym_jax import progress as progress_module
 from agentgym_jax.progress import Progress
 from agentgym_jax.train import rl_report
 
@@ -67,10 +69,87 @@ def test_a_terminal_without_a_width_gets_lines():
             assert stream.isatty()
             with Progress("eval", 2, "episode", enabled=True, stream=stream) as progress:
                 progress.set(2)
-        out = os.read(master, 4096).decode()
+        chunks = []
+        while True:  # a pseudo-terminal may hand its lines over one read at a time; EIO once drained
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = b"".join(chunks).decode()
     finally:
         os.close(master)
     assert "eval 2/2 episodes | " in out
+
+
+class Clock:
+    """A monotonic clock the test moves (the heartbeat thread reads it too)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(progress_module, "time", clock)
+    monkeypatch.setattr(progress_module, "TICK_S", 0.01)
+    return clock
+
+
+def wait_for_lines(log: io.StringIO, count: int) -> list[str]:
+    deadline = time.monotonic() + 10
+    while len(log.getvalue().splitlines()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return log.getvalue().splitlines()
+
+
+def test_a_batch_whose_episodes_finish_together_shows_turns_tokens_and_an_eta(clock):
+    """0 of 64 episodes done for minutes is what a batched evaluation looks like: the line says
+    how far its turns are, the tokens decoded and the ETA from that share of the work, and the
+    heartbeat writes it again every interval while no episode finishes."""
+    log = io.StringIO()
+    with Progress("eval before RL", 64, "episode", enabled=True, interval_s=10, stream=log) as progress:
+        clock.now = 30.0
+        progress.set(0, work=0.25, turns=128, tokens=4000)
+        clock.now = 45.0  # no update: the heartbeat writes the line again
+        lines = wait_for_lines(log, 3)
+        clock.now = 60.0
+        progress.set(64, work=1.0, turns=400, tokens=9000)
+    lines = log.getvalue().splitlines()
+    assert lines == [
+        "eval before RL 0/64 episodes | 0:00 elapsed",
+        "eval before RL 0/64 episodes | 0:30 elapsed | ETA 1:30 | turns=128 tokens=4000",
+        "eval before RL 0/64 episodes | 0:45 elapsed | ETA 2:15 | turns=128 tokens=4000",
+        "eval before RL 64/64 episodes | 0.234 s/episode | 1:00 elapsed | turns=400 tokens=9000",
+    ]
+    terminal = Terminal()
+    with Progress("eval", 64, "episode", enabled=True, stream=terminal) as progress:
+        clock.now = 90.0
+        progress.set(0, work=0.25, turns=128)
+    assert "ETA=1:30" in terminal.getvalue() and "turns=128" in terminal.getvalue()
+
+
+def test_a_phase_shown_after_a_while_stays_quiet_when_short(clock):
+    """An RL step's rollout shows only once it has run `show_after_s` (then its last line too)."""
+    log = io.StringIO()
+    with Progress("step 3 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as short:
+        clock.now = 5.0
+        short.set(8, work=1.0)
+    assert log.getvalue() == ""
+    clock.now = 100.0
+    with Progress("step 4 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as long:
+        long.set(2, work=0.5, turns=20)
+        clock.now = 112.0  # the heartbeat shows it
+        assert wait_for_lines(log, 1) == ["step 4 rollout 2/8 episodes | 6 s/episode | 0:12 elapsed | ETA 0:12 | turns=20"]
+        clock.now = 120.0
+        long.set(8, work=1.0, turns=40)
+    assert log.getvalue().splitlines()[-1] == "step 4 rollout 8/8 episodes | 1.33 s/episode | 0:20 elapsed | turns=40"
 
 
 def _report(before: float, after: float, tasks: int = 64) -> dict:

@@ -250,16 +250,25 @@ def test_a_bounded_pool_plays_in_waves_with_the_same_trajectories(framing, model
     every episode of a wave is reset before any is stepped) and gives token for token the
     trajectories of an unbounded pool under the same key; it never holds more than 3 sessions,
     and a run closes its sessions at its end. Its progress counts finished episodes: 0 before the
-    first sampler call, the first wave's 3 before the second starts, all 4 at the end."""
+    first sampler call, the first wave's 3 before the second starts, all 4 at the end; and the
+    turns played and tokens decoded, its turns left falling to 0 (its share of the work to 1)."""
     config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
-    runs, clients, finished = {}, {}, []
+    runs, clients, heard = {}, {}, []
     for bound in (0, 3):
         pool, clients[bound] = counting_pool(maze_url, max_sessions=bound)
         with RolloutEngine(sampler, framing, pool, task_info, config) as engine:
             runs[bound] = engine.run(model[1], [2, 5], 4, jax.random.key(3), policy_version=0,
-                                     on_progress=finished.append if bound else None)
+                                     on_progress=heard.append if bound else None)
             assert clients[bound][0].open_sessions == 0  # closed by the run, not only by the pool's close
+            stats = engine.last_stats
+    finished = [p.finished for p in heard]
     assert finished[0] == 0 and finished[-1] == 4 and 3 in finished and finished == sorted(finished)
+    assert heard[0].turns == heard[0].tokens == 0 and heard[0].turns_left == 4 * 4 and heard[0].fraction == 0
+    assert heard[-1].turns == stats.turns == sum(t.num_turns for t in runs[3])
+    assert heard[-1].tokens == stats.decode_live_steps == sum(sum(t.loss_mask) for t in runs[3])
+    assert heard[-1].turns_left == 0 and heard[-1].fraction == 1 and all(p.episodes == 4 for p in heard)
+    fractions = [p.fraction for p in heard]
+    assert fractions == sorted(fractions)
     assert clients[0][0].max_open_sessions == 4 and clients[3][0].max_open_sessions == 3
     assert clients[3][0].calls["/create"] == 3 and clients[3][0].calls["/reset"] == 4  # wave 2 reuses wave 1's
     for a, b in zip(runs[0], runs[3], strict=True):

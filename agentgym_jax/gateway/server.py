@@ -53,6 +53,7 @@ from agentgym_jax.rollout.transcript import Transcript
 from agentgym_jax.sampling.sampler import Sampler
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
+RUN_KEYS = ("policy", "checkpoint_step", "policy_version", "model_name", "temperature", "seed")  # run.json
 
 
 class Gateway:
@@ -278,10 +279,19 @@ async def serve(gateway: Gateway, host: str, port: int) -> None:
         await runner.cleanup()
 
 
+def write_run_files(config: ml_collections.ConfigDict, framing: ChatFraming, out_dir: pathlib.Path) -> None:
+    """`run.json` (the policy served and how) and `tokenizer/` (its tokenizer) beside the
+    trajectories, so the viewer reads a gateway run on its own (docs/viewer.md)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    framing.tokenizer.save_pretrained(str(out_dir / "tokenizer"))
+    (out_dir / "run.json").write_text(json.dumps({"mode": "gateway", **{k: config[k] for k in RUN_KEYS}}, indent=2))
+
+
 def run(config: ml_collections.ConfigDict) -> None:
     """`mode=gateway`: the policy `config.policy` names, served until Ctrl-C."""
     py_logging.getLogger("aiohttp.access").setLevel(py_logging.WARNING)
     config, framing, model, params = setup.load_policy(config)
+    write_run_files(config, framing, pathlib.Path(config.out_dir))
     r = config.rollout
     rollout = RolloutConfig(max_tokens_per_turn=r.max_tokens_per_turn, temperature=config.temperature,
                             top_k=r.top_k, top_p=r.top_p)

@@ -33,21 +33,36 @@ from agentgym_jax.envs.protocol import EpisodeStatus, TaskInfo
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.demonstrations import ACTION_ONLY, demonstration_trajectory, play_oracle_episodes
-from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine, RolloutProgress
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
 from agentgym_jax.sampling.sampler import Sampler
 
 Slot = tuple[int, int, int]  # (task_id, sample_idx, attempt)
 
 
+ProgressHook = Callable[[RolloutProgress], None]
+
+
 class Policy(Protocol):
     """Plays one batch of episodes on an open pool; one trajectory per task id, in order
-    (`on_progress(finished)`, where the policy can tell, as the batch's episodes finish)."""
+    (`on_progress(RolloutProgress)`, where the policy can tell, as the batch goes on)."""
 
     async def play(
         self, pool: EnvPool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: ProgressHook | None = None,
     ) -> list[Trajectory]: ...
+
+
+def show_rollout(bar: Progress, done: int = 0, turns: int = 0, tokens: int = 0) -> ProgressHook:
+    """An engine's `on_progress` that shows its run on `bar`, after `done` episodes (`turns`
+    played and `tokens` decoded) of the phase: episodes finished, turns, tokens, and the share of
+    the phase's work done for the ETA (a batch's episodes finish together; its turns do not)."""
+
+    def show(p: RolloutProgress) -> None:
+        bar.set(done + p.finished, work=(done + p.episodes * p.fraction) / max(bar.total, 1),
+                turns=turns + p.turns, tokens=tokens + p.tokens)
+
+    return show
 
 
 @dataclasses.dataclass
@@ -137,24 +152,26 @@ async def collect(
         for t in done.values()
         if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts
     ]
-    bar = Progress(desc or info.env, len(todo), "episode", enabled=progress)
-    while todo:
-        batch, todo = todo[:batch_episodes], todo[batch_episodes:]
-        task, sample, attempt = batch[0]
-        rng = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), task), sample), attempt)
-        done = bar.n
-        played = await policy.play(pool, info, [task for task, _, _ in batch], horizon, rng,
-                                   on_progress=lambda finished: bar.set(done + finished))
-        new = [
-            dataclasses.replace(t, group_id=task, sample_idx=sample, attempt=attempt)
-            for t, (task, sample, attempt) in zip(played, batch, strict=True)
-        ]
-        write_jsonl(os.fspath(path), new)
-        records += new
-        retries = [(t.task_id, t.sample_idx, t.attempt + 1) for t in new
-                   if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts]
-        todo += retries
-        bar.add_total(len(retries))
-        bar.set(done + len(batch))
-    bar.close()
+    turns = tokens = 0  # the phase's so far
+    with Progress(desc or info.env, len(todo), "episode", enabled=progress) as bar:
+        while todo:
+            batch, todo = todo[:batch_episodes], todo[batch_episodes:]
+            task, sample, attempt = batch[0]
+            rng = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), task), sample), attempt)
+            done = bar.n
+            played = await policy.play(pool, info, [task for task, _, _ in batch], horizon, rng,
+                                       on_progress=show_rollout(bar, done, turns, tokens))
+            new = [
+                dataclasses.replace(t, group_id=task, sample_idx=sample, attempt=attempt)
+                for t, (task, sample, attempt) in zip(played, batch, strict=True)
+            ]
+            write_jsonl(os.fspath(path), new)
+            records += new
+            retries = [(t.task_id, t.sample_idx, t.attempt + 1) for t in new
+                       if t.status is EpisodeStatus.INFRA_ERROR and t.attempt + 1 < max_attempts]
+            todo += retries
+            bar.add_total(len(retries))
+            turns += sum(t.num_turns for t in new)
+            tokens += sum(sum(t.loss_mask) for t in new)  # the sampled ones
+            bar.set(done + len(batch), turns=turns, tokens=tokens)
     return records

@@ -47,7 +47,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -148,6 +148,24 @@ class RolloutStats:
         return self.sampler_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+class RolloutProgress(NamedTuple):
+    """How far a `run` has got, what its `on_progress` hears: episodes ended of `episodes`,
+    policy turns sampled and tokens decoded so far, and at most how many turns are left (the
+    unfinished episodes' turns up to their horizon)."""
+
+    finished: int
+    episodes: int
+    turns: int
+    tokens: int
+    turns_left: int
+
+    @property
+    def fraction(self) -> float:
+        """The share of the run's turns played, counting those the ended episodes no longer need:
+        how far a batch is while its episodes all finish near its end."""
+        return self.turns / (self.turns + self.turns_left) if self.turns_left else 1.0
+
+
 @dataclasses.dataclass
 class _LiveEpisode:
     slot: int  # the pool slot, also its row in its wave (the sampler row of the turn-batched engine)
@@ -229,14 +247,15 @@ class RolloutEngine:
         *,
         policy_version: int,
         group_offset: int = 0,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[RolloutProgress], None] | None = None,
     ) -> list[Trajectory]:
         """Plays `task_ids` x `group_size` episodes of at most `horizon` turns each.
 
         Returns one trajectory per slot, in slot order (task-major): group id
         `group_offset + task index`, `sample_idx` the index within the group.
-        `on_progress(finished)`, if given, hears how many episodes have finished, before every
-        sampler call and at the end (on the engine's event-loop thread): a progress bar's count.
+        `on_progress(RolloutProgress)`, if given, hears how far the run is (episodes finished,
+        turns played, tokens decoded), before every sampler call and at the end (on the engine's
+        event-loop thread): a progress bar's count and ETA.
         """
         return self._open().run(self.run_async(
             params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset,
@@ -252,7 +271,7 @@ class RolloutEngine:
         *,
         policy_version: int,
         group_offset: int = 0,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[RolloutProgress], None] | None = None,
     ) -> list[Trajectory]:
         """`run` for callers inside an event loop, with the pool already open in it."""
         if horizon < 1:
@@ -275,7 +294,7 @@ class RolloutEngine:
             for k, (i, task, j) in enumerate(samples)
         ]
         if on_progress is not None:
-            rollout.on_progress = lambda: on_progress(sum(ep.status is not None for ep in episodes))
+            rollout.on_progress = lambda: on_progress(rollout.progress(episodes))
         try:
             for start in range(0, len(episodes), wave):
                 await rollout.play(episodes[start : start + wave])
@@ -362,7 +381,7 @@ class _Rollout:
         self.busy_s = self.wait_s = 0.0
         self.calls = self.turns = self.cache_slots = 0
         self.work_at_start = dataclasses.replace(self.sampler.work)
-        self.on_progress: Callable[[], None] = lambda: None  # `run`'s `on_progress`, given the count
+        self.on_progress: Callable[[], None] = lambda: None  # `run`'s `on_progress`, given `progress(...)`
 
     def stats(self) -> RolloutStats:
         work = self.sampler.work.minus(self.work_at_start)
@@ -372,6 +391,15 @@ class _Rollout:
             prompt_tokens_computed=work.prompt_tokens_computed,
             prompt_tokens=sum(ep.transcript.prompt_len for ep in self.episodes if ep.transcript),
             cache_slots=self.cache_slots,
+        )
+
+    def progress(self, episodes: Sequence[_LiveEpisode]) -> RolloutProgress:
+        """How far the run over `episodes` (every wave's) has got."""
+        live = [ep for ep in episodes if ep.status is None]
+        return RolloutProgress(
+            finished=len(episodes) - len(live), episodes=len(episodes), turns=self.turns,
+            tokens=self.sampler.work.decode_live_steps - self.work_at_start.decode_live_steps,
+            turns_left=sum(ep.horizon - (ep.transcript.num_turns if ep.transcript else 0) for ep in live),
         )
 
     async def play(self, episodes: list[_LiveEpisode]) -> None:

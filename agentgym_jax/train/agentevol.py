@@ -38,6 +38,8 @@ from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import play, setup
 from agentgym_jax.job import settings as job_settings
 from agentgym_jax.parallel.distributed import is_writer, process_share
+from agentgym_jax.progress import Progress
+from agentgym_jax.rollout.collect import show_rollout
 from agentgym_jax.rollout.trajectory import Trajectory, read_jsonl, write_jsonl
 from agentgym_jax.train import settings
 from agentgym_jax.train.sft import BehaviourCloning
@@ -104,10 +106,12 @@ def run(config: ml_collections.ConfigDict) -> dict[str, dict[str, float]]:
             it_dir = workdir / f"iter_{it}"
             explored = trajectories = []
             if it:
-                mine = explore_engine.run(
-                    local_policy(state.params), explore_share, evol.horizon,
-                    jax.random.fold_in(jax.random.PRNGKey(config.seed), it), policy_version=it - 1, group_offset=explore_first,
-                ) if explore_share else []
+                with Progress(f"explore iteration {it}", len(explore_share) * evol.group_size, "episode") as bar:
+                    mine = explore_engine.run(
+                        local_policy(state.params), explore_share, evol.horizon,
+                        jax.random.fold_in(jax.random.PRNGKey(config.seed), it), policy_version=it - 1,
+                        group_offset=explore_first, on_progress=show_rollout(bar),
+                    ) if explore_share else []
                 trajectories = setup.gather_trajectories(mine)
                 if is_writer():
                     write_jsonl(str(it_dir / "explored.jsonl"), trajectories, append=False)

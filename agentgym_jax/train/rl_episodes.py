@@ -36,8 +36,10 @@ import jax
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import play
 from agentgym_jax.parallel.distributed import process_share
+from agentgym_jax.progress import INTERVAL_S, Progress
 from agentgym_jax.rl.curriculum import Curriculum
 from agentgym_jax.rl.horizon import HorizonSchedule
+from agentgym_jax.rollout.collect import show_rollout
 from agentgym_jax.rollout.engine import RolloutEngine
 from agentgym_jax.rollout.stream import GroupSpec, GroupStream, PlayedGroup, PolicyWeights, StreamTimes
 from agentgym_jax.rollout.trajectory import Trajectory
@@ -92,10 +94,12 @@ class Synchronous:
         tasks, first, pool = self.plan.tasks(step)
         horizon = self.plan.schedule.horizon(step)
         start = time.time()
-        trajectories = self.engine.run(
-            policy(), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
-            policy_version=step, group_offset=first,
-        )
+        episodes = len(tasks) * self.engine.config.group_size
+        with Progress(f"step {step + 1} rollout", episodes, "episode", show_after_s=INTERVAL_S) as bar:  # a long one
+            trajectories = self.engine.run(
+                policy(), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
+                policy_version=step, group_offset=first, on_progress=show_rollout(bar),
+            )
         stats = self.engine.last_stats
         return trajectories, {
             "horizon": horizon, "task_pool": pool, "rollout_s": time.time() - start,

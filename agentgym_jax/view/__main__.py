@@ -1,8 +1,10 @@
-"""`python -m agentgym_jax.view runs/<job> [runs/<other> ...] [--port=8765] [--tokenizer=<dir>]`
+"""`python -m agentgym_jax.view runs/<job> [runs/<other> ...] [--port=8765] [--tokenizer=<dir or policy>]`
 
-Indexes each run's trajectories (an eval, collect or rl folder's `trajectories*.jsonl`, or any
-trajectory JSONL file), then serves the viewer on http://127.0.0.1:<port> until Ctrl-C. Prints
-`serving viewer on http://127.0.0.1:<port>` once it accepts connections (`--port=0`: a free port).
+Indexes each run's trajectories (an eval, collect, rl or gateway folder's `trajectories*.jsonl`,
+or any trajectory JSONL file), then serves the viewer on http://127.0.0.1:<port> until Ctrl-C.
+Prints `serving viewer on http://127.0.0.1:<port>` once it accepts connections (`--port=0`: a
+free port). `--tokenizer` takes a folder or any policy a job takes (`pretrained:<name>`,
+`hf:<dir>`, `hf:<org>/<name>`, `checkpoint:<dir>`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import time
 
 from aiohttp import web
 
+from agentgym_jax.models.fetch import FetchError
 from agentgym_jax.models.tokenizer import TokenizerError
 from agentgym_jax.view.index import RunIndex, run_files
 from agentgym_jax.view.server import Run, make_app
-from agentgym_jax.view.tokens import TokenText, find_tokenizer
+from agentgym_jax.view.tokens import TokenText, find_tokenizer, policy_tokenizer
 
 HOST = "127.0.0.1"  # trajectories stay on this machine
 
@@ -31,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("runs", nargs="+", help="run folders (eval, collect, rl) or trajectory JSONL files")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     parser.add_argument("--tokenizer", default=None,
-                        help="a tokenizer folder for every run (default: each run's own, see docs/viewer.md)")
+                        help="for every run: a tokenizer folder, or a policy as jobs take it (pretrained:<name>, "
+                             "hf:<dir>, hf:<org>/<name>, checkpoint:<dir>); default: each run's own, see docs/viewer.md")
     return parser.parse_args(argv)
 
 
@@ -39,12 +43,18 @@ def open_runs(paths: list[str], tokenizer: str | None = None) -> list[Run]:
     """Indexes each run with its tokenizer (one load per tokenizer folder)."""
     if len(set(paths)) != len(paths):
         raise ValueError(f"a run is given twice: {paths}")
+    given = None  # --tokenizer's folder, for every run
+    if tokenizer:
+        try:
+            given = policy_tokenizer(tokenizer, build=True) or pathlib.Path(tokenizer)
+        except FetchError as e:
+            raise ValueError(f"--tokenizer={tokenizer}: {e}") from e
     loaded: dict[pathlib.Path, TokenText] = {}
     runs = []
     for name in paths:
         path = pathlib.Path(name)
         files = run_files(path)
-        folder, note = (pathlib.Path(tokenizer), f"{tokenizer} (--tokenizer)") if tokenizer else find_tokenizer(path)
+        folder, note = (given, f"{given} (--tokenizer={tokenizer})") if given else find_tokenizer(path)
         text = None
         if folder is not None:
             key = folder.resolve()
@@ -53,7 +63,7 @@ def open_runs(paths: list[str], tokenizer: str | None = None) -> list[Run]:
                     loaded[key] = TokenText.load(folder)
                 except TokenizerError as e:
                     if tokenizer:
-                        raise
+                        raise TokenizerError(f"--tokenizer={tokenizer}: {e}") from e
                     note = f"{note} could not be loaded: {e}"
             text = loaded.get(key)
         start = time.perf_counter()

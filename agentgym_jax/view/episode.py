@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.view.index import step_of
 from agentgym_jax.view.patterns import patterns
 from agentgym_jax.view.tokens import TokenText
 
@@ -36,8 +37,8 @@ def episode_view(t: Trajectory, text: TokenText | None) -> dict[str, Any]:
             truncated=None if end_of_turn is None else t.token_ids[end - 1] not in end_of_turn,
         ))
     return dict(
-        env=t.env, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, step=t.policy_version,
-        group_id=t.group_id, status=t.status.value, reward=t.reward, invalid_actions=t.invalid_actions,
+        env=t.env, task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, step=step_of(t),
+        policy_version=t.policy_version, group_id=t.group_id, status=t.status.value, reward=t.reward, invalid_actions=t.invalid_actions,
         patterns=patterns(t, end_of_turn), timings=t.timings,
         prompt=tokens(0, spans[0][0] if spans else len(t.token_ids)), turns=turns,
         text=t.text if pieces is None else None,  # without a tokenizer, the record's own decoding

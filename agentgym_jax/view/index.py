@@ -41,6 +41,13 @@ class FilterError(ValueError):
     """A filter value that cannot be read; the server answers it with a 400."""
 
 
+def step_of(t: Trajectory) -> int:
+    """The RL step that trained on an episode, numbered as `metrics.jsonl` and the console number
+    it (an RL run's step N plays and trains on the episodes whose `train_step` is N - 1); 0 for an
+    episode no update used (an evaluation, the oracle, a collection, a gateway's conversation)."""
+    return t.train_step + 1
+
+
 def run_files(path: pathlib.Path) -> list[pathlib.Path]:
     """A run's trajectory files: a JSONL file given alone, or a folder's `trajectories.jsonl` and
     per-process `trajectories.p<k>.jsonl` (what eval, collect and rl write)."""
@@ -201,7 +208,7 @@ class RunIndex:
             self._env_codes[t.env] = len(self.envs)
             self.envs.append(t.env)
         return dict(
-            task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, step=t.policy_version,
+            task_id=t.task_id, sample_idx=t.sample_idx, attempt=t.attempt, step=step_of(t),
             env=self._env_codes[t.env], status=STATUSES.index(t.status.value), reward=float(t.reward),
             turns=t.num_turns, tokens=len(t.token_ids), invalid_actions=t.invalid_actions,
             flags=flag_bits(patterns(t, self.end_of_turn_ids)),

@@ -26,11 +26,18 @@ def _has_tokenizer(folder: pathlib.Path) -> bool:
     return (folder / TOKENIZER_FILE).is_file()
 
 
-def _policy_tokenizer(policy: str) -> pathlib.Path | None:
-    """The folder an eval's or collection's `policy` read its tokenizer from, without fetching
-    anything: `checkpoint:<dir>` -> `<dir>/tokenizer`; `hf:<dir>`, or `hf:<org>/<name>` in the
-    Hugging Face cache; `pretrained:<name>` as `models/fetch.py` keeps it once built."""
-    kind, _, where = policy.partition(":")
+POLICY_KINDS = ("checkpoint", "hf", "pretrained")  # the specs a job's `policy` takes
+
+
+def policy_tokenizer(spec: str, build: bool = False) -> pathlib.Path | None:
+    """The tokenizer folder a job's policy spec reads: `checkpoint:<dir>` -> `<dir>/tokenizer`;
+    `hf:<dir>`, or `hf:<org>/<name>` in the Hugging Face cache; `pretrained:<name>` as
+    `models/fetch.py` keeps it (built first when `build`, as a job would build it; otherwise the
+    folder it would be in). None for what is no such spec (a folder, `oracle`). Raises
+    `FetchError` (one line) for a model that is not on this machine."""
+    kind, sep, where = spec.partition(":")
+    if not sep or kind not in POLICY_KINDS:
+        return None
     if kind == "checkpoint":
         return pathlib.Path(where) / "tokenizer"
     if kind == "hf" and pathlib.Path(where).exists():
@@ -38,21 +45,23 @@ def _policy_tokenizer(policy: str) -> pathlib.Path | None:
     from agentgym_jax.models import fetch  # only for these two: it imports the GGUF reader
 
     if kind == "hf":
-        try:
-            return fetch.hf_snapshot(where)
-        except fetch.FetchError:
-            return None
-    return fetch.cache_root() / where if kind == "pretrained" else None
+        return fetch.hf_snapshot(where)
+    if _has_tokenizer(fetch.cache_root() / where) or not build:
+        return fetch.cache_root() / where
+    return fetch.fetch(where)
 
 
 def find_tokenizer(run: pathlib.Path) -> tuple[pathlib.Path | None, str]:
     """(the tokenizer folder of a run, how it was found) or (None, why not).
 
-    Looked for in order: `<run>/tokenizer` (what `mode=rl`, `sft`, `dpo`, `agentevol` and an
-    oracle `eval`/`collect` write), then the policy's own named in `<run>/run.json` (an eval's or
-    collection's `checkpoint:`, `hf:` or `pretrained:` policy), in the run folder; for a JSONL
-    file given alone, in its folder and that folder's parent (AgentEvol's `iter_<i>/explored.jsonl`).
+    Looked for in order: `<run>/tokenizer` (what `mode=rl`, `sft`, `dpo`, `agentevol`, the
+    gateway and an oracle `eval`/`collect` write), then the policy's own named in
+    `<run>/run.json` (an eval's or collection's `checkpoint:`, `hf:` or `pretrained:` policy;
+    nothing is fetched), in the run folder; for a JSONL file given alone, in its folder and that
+    folder's parent (AgentEvol's `iter_<i>/explored.jsonl`).
     """
+    from agentgym_jax.models.fetch import FetchError
+
     folders = [run] if run.is_dir() else [run.parent, run.parent.parent]
     for folder in folders:
         if _has_tokenizer(folder / "tokenizer"):
@@ -60,7 +69,10 @@ def find_tokenizer(run: pathlib.Path) -> tuple[pathlib.Path | None, str]:
         spec = folder / "run.json"
         if spec.is_file():
             policy = str(json.loads(spec.read_text()).get("policy", ""))
-            candidate = _policy_tokenizer(policy)
+            try:
+                candidate = policy_tokenizer(policy)
+            except FetchError:
+                candidate = None
             if candidate is not None and _has_tokenizer(candidate):
                 return candidate, f"{candidate} (the policy of {spec})"
             return None, f"{spec} names the policy {policy!r}, whose {TOKENIZER_FILE} is not on this machine"

@@ -1,32 +1,40 @@
 """Any environment served as an MCP server over stdio: `python -m environments.mcp.server --env=weather`.
 
-The server holds one episode. Its tools: `reset` (`{"task_id": int}`, answers the first
-observation) and, for a tool environment, the environment's own tools with their schemas (as
-the session shows them, so perturbations apply); for any other environment one tool, `act`
-(`{"action": str}`, the text an agent would send to `/step`). A tool call is one step: the
-answer's text is the observation, `isError` marks an invalid action or a failed tool, and the
-result's `_meta` carries `reward`, `done`, `success`, `score` and `progress`. Add it to an MCP
-client (e.g. Claude Desktop's `mcpServers`) as the command above, run from the repository root.
+The server holds one episode. Its tools: `reset` (`{"task_id": int}`, answers the task's goal)
+and, for a tool environment, the environment's own tools with their schemas (as the session
+shows them, so perturbations apply); for any other environment one tool, `act`
+(`{"action": str}`, the text an agent would send to `/step`). A tool call is one step. A tool
+environment's answer is the tool's result as JSON (a JSON string for a text result), without
+the `Observation: ... Give me one action.` wrapper of the text protocol; a text environment's is
+its observation. `isError` marks an invalid action or a failed tool (its text says what went
+wrong), and the result's `_meta` carries `reward`, `done`, `success`, `score` and `progress`.
+The tools may be listed and called before any reset. The server advertises `tools.listChanged`
+and sends `notifications/tools/list_changed` whenever a call changes the tools the session
+shows (a perturbation's `schema_change` or `hidden_tools`, and the reset that undoes them). Add
+it to an MCP client (e.g. Claude Desktop's `mcpServers`) as the command above, run from the
+repository root.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 import anyio
 import mcp_types as types
-from mcp.server.lowlevel import Server
+from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
 
 from agentgym_jax.envs.protocol.tool_calls import ToolCall, format_agentgym
 from environments.base import Environment
 from environments.perturbation import Perturbation, perturbed
 from environments.serve import resolve_environment
+from environments.tools.base import ToolEnvironment
 
 log = logging.getLogger(__name__)
-RESET = types.Tool(name="reset", description="Start the task with this id; answers its first observation.",
+RESET = types.Tool(name="reset", description="Start the task with this id; answers its goal.",
                    input_schema={"type": "object", "properties": {"task_id": {"type": "integer"}}, "required": ["task_id"]})
 ACT = types.Tool(name="act", description="Take one action (the text of a turn); answers the observation.",
                  input_schema={"type": "object", "properties": {"action": {"type": "string"}}, "required": ["action"]})
@@ -42,6 +50,8 @@ class EpisodeHost:
     def __init__(self, env_cls: type[Environment]):
         self.env_cls = env_cls
         self.env = env_cls()
+        if isinstance(self.env, ToolEnvironment):  # results as JSON, not the text protocol's observations
+            self.env.json_results = True
         self.num_tasks = env_cls.task_info().num_tasks
         self.started = self.done = False
 
@@ -88,11 +98,16 @@ def make_server(env_cls: type[Environment]) -> Server:
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         try:
-            return host.call(params.name, dict(params.arguments or {}))
+            before = host.tools()
+            answer = host.call(params.name, dict(params.arguments or {}))
+            changed = host.tools() != before  # renamed parameters, tools shown by check_valid_actions, a reset
         except Exception as e:  # an environment failure ends the episode, never the server
             log.exception("%s failed", env_cls.name)
-            host.started = False
-            return _answer(f"The environment failed: {type(e).__name__}: {e}; call reset.", is_error=True)
+            host.started, changed = False, False
+            answer = _answer(f"The environment failed: {type(e).__name__}: {e}; call reset.", is_error=True)
+        if changed:
+            await ctx.session.send_tool_list_changed()
+        return answer
 
     return Server(f"agentgym-{env_cls.name}", instructions=env_cls.task_info().instruction,
                   on_list_tools=list_tools, on_call_tool=call_tool)
@@ -104,12 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--perturbation", default="", help="as environments.serve's --perturbation")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)  # stdout carries the protocol; logs go to stderr
-    env_cls = perturbed(resolve_environment(args.env), Perturbation.parse(args.perturbation))
+    try:
+        env_cls = perturbed(resolve_environment(args.env), Perturbation.parse(args.perturbation))
+    except (KeyError, ValueError, ImportError) as e:  # stdout is the protocol's: one line on stderr
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
     server = make_server(env_cls)
 
     async def run() -> None:
         async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+            options = server.create_initialization_options(NotificationOptions(tools_changed=True))
+            await server.run(read, write, options)
 
     anyio.run(run)
 

@@ -182,6 +182,10 @@ class ToolEnvironment(Environment):
     rules: ClassVar[str]
     example: ClassVar[str]
     oracles: ClassVar[tuple[str, ...]] = ("tool_call",)  # the same oracle, written as <tool_call> calls
+    # How answers read: AgentGym's text protocol (`Observation: <result>\nGive me one action.`), or
+    # for a client that reads tool results itself (the MCP bridge) the result alone as JSON and
+    # the goal alone as the first observation.
+    json_results: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -257,8 +261,8 @@ class ToolEnvironment(Environment):
         self.task = tasks[data_idx]
         self.facts, self.turns, self.finished, self.answer, self.best = set(), 0, False, None, 0.0
         self.start(self.task)
-        self._observation = ("Now new trial starts.\nYou should perform actions to accomplish the goal: "
-                             f"{self.task.goal}{NEXT}")
+        self._observation = self.task.goal if self.json_results else (
+            f"Now new trial starts.\nYou should perform actions to accomplish the goal: {self.task.goal}{NEXT}")
         return self._observation
 
     def reset_fields(self) -> dict[str, Any]:
@@ -277,12 +281,20 @@ class ToolEnvironment(Environment):
         if call.name == FINISH.name:
             self.finished, self.answer = True, call.arguments.get("answer")
             self.on_finish()
-            observation = f"Observation: {render(self.answer) if self.answer is not None else 'finished'}"
+            no_answer = self.answer is None and not self.json_results
+            observation = "Observation: finished" if no_answer else self.shown(self.answer)
             return self._answer(observation, True, invalid=False, call=call, value=self.answer)
         result = self.run_tool(call)
         self.facts |= result.facts
-        return self._answer(f"Observation: {render(result.value)}{NEXT}", out_of_turns, invalid=False,
-                            call=call, value=result.value, failed=not result.ok)
+        observation = self.shown(result.value, result.ok) + ("" if self.json_results else NEXT)
+        return self._answer(observation, out_of_turns, invalid=False, call=call, value=result.value, failed=not result.ok)
+
+    def shown(self, value: Any, ok: bool = True) -> str:
+        """A tool's answer as the agent reads it: `Observation: <result>`, or with `json_results`
+        the result as JSON (a failed tool's message as it is)."""
+        if not self.json_results:
+            return f"Observation: {render(value)}"
+        return json.dumps(value, ensure_ascii=False) if ok else render(value)
 
     def read_call(self, text: str) -> ToolCall:
         """Model text -> a checked call of a known tool, or `ToolCallError` saying what is wrong."""
@@ -306,7 +318,7 @@ class ToolEnvironment(Environment):
 
     def _answer(self, observation: str, done: bool, invalid: bool, call: ToolCall | None = None,
                 value: Any = None, failed: bool = False) -> StepResult:
-        if done and not self.finished:
+        if done and not self.finished and not self.json_results:  # (a JSON client reads `done`)
             observation += f"\nYou have used all {MAX_TURNS} turns. The episode is over."
         before = self.best
         self.best = max(self.best, self.score())

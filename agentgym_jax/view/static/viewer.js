@@ -58,14 +58,13 @@ async function loadRuns() {
   $("runs").innerHTML = "";
   for (const r of info.runs) {
     const notes = [];
-    if (!r.decoded) notes.push(node("span", { class: "warn" }, ` no tokenizer (${r.tokenizer}): ids shown`));
+    if (!r.decoded) notes.push(node("span", { class: "warn", title: r.tokenizer }, " no tokenizer: ids shown"));
     if (r.bad_lines) notes.push(node("span", { class: "warn", title: r.bad_line_examples.join("\n") }, ` ${r.bad_lines} unreadable lines skipped`));
     $("runs").append(node("span", { class: "run", title: `files: ${r.files.join(", ")}\ntokenizer: ${r.tokenizer}` },
       `[${r.run}] ${r.name}: ${r.episodes} episodes`, ...notes));
   }
   fillSelect($("f-run"), info.runs.map((r) => [r.run, `${r.run}: ${r.name}`]));
   fillSelect($("compare-run"), info.runs.map((r) => [r.run, `${r.run}: ${r.name}`]));
-  if (info.runs.length > 1) $("compare-run").value = "1";
   fillSelect($("f-status"), info.statuses.map((s) => [s, s]), "any");
   fillSelect($("f-pattern"), info.patterns.map((p) => [p, p]), "any");
   fillEnvs();
@@ -91,27 +90,43 @@ async function loadList() {
     $("episodes").dataset.query = new URLSearchParams({ ...params, offset }).toString(); // what the list shows
     renderPatterns(counts);
   } catch (e) {
+    if (mine !== listRequest) return;
+    renderList({ total: 0, episodes: [] }, "no episodes listed: the filter cannot be read");  // nothing stale under the error
+    renderPatterns({ steps: [], episodes: [], success: [], patterns: {} });
+    $("episodes").dataset.query = "";
     showError(e);
   }
 }
 
-function renderList(page) {
+const stepText = (step) => (step > 0 ? String(step) : "–"); // 0: no update trained on it (docs/viewer.md)
+
+function wrappable(text) { // breaks allowed after underscores: long statuses and pattern names fit narrow columns
+  const out = document.createDocumentFragment();
+  text.split("_").forEach((part, i, parts) => {
+    out.append(part + (i < parts.length - 1 ? "_" : ""));
+    if (i < parts.length - 1) out.append(node("wbr"));
+  });
+  return out;
+}
+
+function renderList(page, empty = "no episodes match") {
   total = page.total;
   const body = $("episodes").querySelector("tbody");
   body.innerHTML = "";
   const run = Number($("f-run").value || 0);
   for (const e of page.episodes) {
-    const tags = e.patterns.map((p) => node("span", { class: "tag" }, p));
+    const tags = e.patterns.map((p) => node("span", { class: "tag" }, wrappable(p)));
     const row = node("tr", { "data-id": e.id, onclick: () => openEpisode($("pane-a"), run, e.id, row) },
       node("td", {}, String(e.id)), node("td", {}, e.env), node("td", {}, String(e.task_id)),
-      node("td", {}, String(e.sample_idx)), node("td", {}, String(e.attempt)), node("td", {}, String(e.step)),
-      node("td", { class: `status-${e.status}` }, e.status), node("td", {}, e.reward.toFixed(3)),
+      node("td", {}, String(e.sample_idx)), node("td", {}, String(e.attempt)), node("td", {}, stepText(e.step)),
+      node("td", { class: `wraps status-${e.status}` }, wrappable(e.status)), node("td", {}, e.reward.toFixed(3)),
       node("td", {}, String(e.turns)), node("td", {}, String(e.tokens)), node("td", {}, String(e.invalid_actions)),
-      node("td", {}, ...tags));
+      node("td", { class: "wraps" }, ...tags));
+    row.classList.toggle("open", openInList.run === run && openInList.id === e.id);
     body.append(row);
   }
   const last = Math.min(offset + PAGE, total);
-  $("page-info").textContent = total ? `${offset + 1}-${last} of ${total}` : "no episodes match";
+  $("page-info").textContent = total ? `${offset + 1}-${last} of ${total}` : empty;
   $("page-no").value = String(Math.floor(offset / PAGE) + 1);
   $("prev").disabled = offset === 0;
   $("next").disabled = last >= total;
@@ -122,7 +137,7 @@ function renderPatterns(counts) {
   box.innerHTML = "";
   const names = Object.keys(counts.patterns);
   const head = node("tr", {}, node("th", {}, "step"), node("th", {}, "episodes"), node("th", {}, "success"),
-    ...names.map((n) => node("th", {}, n)));
+    ...names.map((n) => node("th", {}, wrappable(n))));
   const table = node("table", { id: "patterns-table" }, node("thead", {}, head));
   const body = node("tbody");
   counts.steps.forEach((step, i) => {
@@ -132,7 +147,7 @@ function renderPatterns(counts) {
       return n ? node("td", { class: "count", title: `list step ${step}, ${name}`, onclick }, String(n))
         : node("td", { class: "zero" }, "0");
     });
-    body.append(node("tr", {}, node("td", {}, String(step)), node("td", {}, String(counts.episodes[i])),
+    body.append(node("tr", {}, node("td", {}, stepText(step)), node("td", {}, String(counts.episodes[i])),
       node("td", {}, String(counts.success[i])), ...cells));
   });
   table.append(body);
@@ -155,6 +170,7 @@ function flatTokens(ep) {
 
 function tokenSpans(seg) {
   const out = document.createDocumentFragment();
+  let leading = true; // the segment's box starts a line: its first newlines are not shown as blank lines
   seg.ids.forEach((id, k) => {
     const i = seg.start + k;
     const piece = seg.text ? seg.text[k] : null;
@@ -162,7 +178,13 @@ function tokenSpans(seg) {
     if (seg.mask[k] && seg.logprob[k] < LOW_LOGPROB) cls += " low";
     if (piece === null) cls += " id";
     else if (/^<\|.*\|>$|^<\/?s>$/.test(piece)) cls += " special";
-    out.append(node("span", { class: cls, "data-i": String(i) }, piece === null ? `⟨${id}⟩` : piece));
+    const text = piece === null ? [`⟨${id}⟩`] : [piece];
+    if (leading && piece !== null) {
+      const newlines = piece.match(/^\n*/)[0];
+      if (newlines) text.splice(0, 1, node("span", { class: "lead-nl" }, newlines), piece.slice(newlines.length));
+      leading = piece.length === newlines.length;
+    } else leading = false;
+    out.append(node("span", { class: cls, "data-i": String(i) }, ...text));
   });
   return out;
 }
@@ -194,6 +216,17 @@ function renderTurns(pane) {
   pane.querySelector(".turn-range").value = String(shown);
 }
 
+function legend(ep) {
+  // loss_mask 1 marks the policy's sampled tokens; they were trained on only where an RL step used the episode
+  if (ep.step > 0) {
+    return [node("span", { class: "t m1" }, `trained in step ${ep.step} (loss_mask 1)`),
+      node("span", { class: "t m1 low" }, "trained, p < 0.1"), node("span", { class: "t m0" }, "not trained (loss_mask 0)")];
+  }
+  return [node("span", { class: "t m1" }, "sampled by the policy (loss_mask 1)"),
+    node("span", { class: "t m1 low" }, "sampled, p < 0.1"), node("span", { class: "t m0" }, "prompt, template, environment (loss_mask 0)"),
+    node("span", { class: "hint" }, "no update trained on this episode")];
+}
+
 function renderEpisode(pane, ep, runName) {
   pane.state = { ep, shown: ep.turns.length, flat: flatTokens(ep) };
   pane.innerHTML = "";
@@ -201,13 +234,13 @@ function renderEpisode(pane, ep, runName) {
   const step = (k) => () => { pane.state.shown = Math.max(0, Math.min(ep.turns.length, k(pane.state.shown))); renderTurns(pane); };
   const range = node("input", { type: "range", class: "turn-range", min: "0", max: String(ep.turns.length) });
   range.addEventListener("input", () => { pane.state.shown = Number(range.value); renderTurns(pane); });
+  const trainedIn = ep.step > 0 ? `step ${ep.step}` : "step – (not trained on)";
   pane.append(
     node("div", { class: "ep-head" },
-      node("b", {}, `${runName} #${ep.id}`), ` ${ep.env} task ${ep.task_id} sample ${ep.sample_idx} attempt ${ep.attempt} step ${ep.step} `,
+      node("b", {}, `${runName} #${ep.id}`), ` ${ep.env} task ${ep.task_id} sample ${ep.sample_idx} attempt ${ep.attempt} ${trainedIn} `,
       node("span", { class: `status-${ep.status}` }, ep.status), ` reward ${ep.reward} `, ...tags,
       node("div", { class: "where" }, ep.location)),
-    node("div", { class: "legend" }, node("span", { class: "t m1" }, "trained (loss_mask 1)"),
-      node("span", { class: "t m1 low" }, "trained, p < 0.1"), node("span", { class: "t m0" }, "not trained (loss_mask 0)")),
+    node("div", { class: "legend" }, ...legend(ep)),
     node("div", { class: "replay" },
       node("button", { type: "button", class: "first", onclick: step(() => 0) }, "« start"),
       node("button", { type: "button", class: "prev-turn", onclick: step((s) => s - 1) }, "‹ turn"),
@@ -219,6 +252,8 @@ function renderEpisode(pane, ep, runName) {
   renderTurns(pane);
 }
 
+let openInList = { run: -1, id: -1 }; // the episode open in pane A
+
 async function openEpisode(pane, run, id, row) {
   const mine = pane.request = (pane.request || 0) + 1;
   showError(null);
@@ -227,9 +262,10 @@ async function openEpisode(pane, run, id, row) {
     if (mine !== pane.request) return; // another episode was asked for meanwhile
     renderEpisode(pane, ep, info.runs[run].name);
     if (row) {
+      openInList = { run, id };
       for (const r of row.parentNode.children) r.classList.toggle("open", r === row);
       loadCompare(ep);
-    }
+    } else markCompared();
   } catch (e) {
     showError(e);
   }
@@ -238,25 +274,64 @@ async function openEpisode(pane, run, id, row) {
 // ---- the same task in another run ----
 
 let compareWith = null; // the episode open in pane A
+let compareChosen = null; // the run picked in the compare pane by hand, if any
+let compareFound = []; // per run: the other episodes of compareWith's task
 
-async function loadCompare(ep) {
+function compareDefault(ep) {
+  // the run picked by hand if it has the task, else the first other run that has it, else this run
+  const has = (r) => compareFound[r].length > 0;
+  if (compareChosen !== null && has(compareChosen)) return compareChosen;
+  const others = info.runs.map((r) => r.run).filter((r) => r !== ep.run && has(r));
+  return others.length ? others[0] : has(ep.run) ? ep.run : null;
+}
+
+function markCompared() {
+  // the episode shown beside, and the one open on the left, marked in the compare list
+  const shown = $("pane-b-episode").state;
+  for (const button of $("compare-list").querySelectorAll("button")) {
+    const run = Number(button.dataset.run), id = Number(button.dataset.id);
+    const isShown = !!shown && shown.ep.run === run && shown.ep.id === id;
+    button.classList.toggle("shown", isShown);
+    button.setAttribute("aria-pressed", String(isShown));
+  }
+}
+
+async function loadCompare(ep, picked = null) {
   compareWith = ep;
-  const run = Number($("compare-run").value);
-  $("compare-task").textContent = `${ep.env} task ${ep.task_id}`;
   const list = $("compare-list");
+  const paneB = $("pane-b");
   try {
-    const found = (await api("/api/task", { env: ep.env, task: ep.task_id })).runs[run].episodes;
-    if (compareWith !== ep || run !== Number($("compare-run").value)) return; // asked again meanwhile
+    const task = await api("/api/task", { env: ep.env, task: ep.task_id });
+    if (compareWith !== ep) return; // another episode was opened meanwhile
+    compareFound = task.runs.map((r) => r.episodes.filter((e) => !(r.run === ep.run && e.id === ep.id)));
+    fillSelect($("compare-run"), info.runs.map((r) => [r.run, `${r.run}: ${r.name} (${compareFound[r.run].length})`]));
+    const run = picked !== null ? picked : compareDefault(ep);
+    $("compare-task").textContent = `${ep.env} task ${ep.task_id}`;
     list.innerHTML = "";
-    if (!found.length) list.append(node("span", { class: "hint" }, " no episode of this task in that run"));
-    for (const e of found.slice(0, MAX_COMPARE)) {
-      list.append(node("button", { type: "button", "data-id": e.id, onclick: () => openEpisode($("pane-b-episode"), run, e.id) },
-        `#${e.id} s${e.sample_idx} a${e.attempt} step ${e.step} ${e.status} ${e.reward.toFixed(2)}`));
+    $("pane-b-episode").innerHTML = "";
+    $("pane-b-episode").state = null;
+    if (run === null) {
+      paneB.classList.add("empty");
+      list.append(node("p", { class: "hint" }, "no other episode of this task in any run"));
+      return;
     }
-    const same = found.filter((e) => e.sample_idx === ep.sample_idx && !(run === ep.run && e.id === ep.id));
-    const first = same.length ? same[same.length - 1] : found.find((e) => !(run === ep.run && e.id === ep.id));
-    if (first) await openEpisode($("pane-b-episode"), run, first.id);
-    else $("pane-b-episode").innerHTML = "";
+    $("compare-run").value = String(run);
+    const found = compareFound[run];
+    if (!found.length) {
+      const elsewhere = info.runs.filter((r) => compareFound[r.run].length).map((r) => `${r.run}: ${r.name}`);
+      paneB.classList.add("empty");
+      list.append(node("p", { class: "hint" }, `no other episode of this task in ${info.runs[run].name}` +
+        (elsewhere.length ? `; runs that have one: ${elsewhere.join(", ")}` : "; no run has one")));
+      return;
+    }
+    paneB.classList.remove("empty");
+    for (const e of found.slice(0, MAX_COMPARE)) {
+      list.append(node("button", {
+        type: "button", "data-run": String(run), "data-id": String(e.id), onclick: () => openEpisode($("pane-b-episode"), run, e.id),
+      }, `#${e.id} s${e.sample_idx} a${e.attempt} step ${stepText(e.step)} ${e.status} ${e.reward.toFixed(2)}`));
+    }
+    const same = found.filter((e) => e.sample_idx === ep.sample_idx);
+    await openEpisode($("pane-b-episode"), run, (same.length ? same[same.length - 1] : found[0]).id);
   } catch (e) {
     showError(e);
   }
@@ -270,7 +345,8 @@ document.addEventListener("mouseover", (event) => {
   if (!pane || !pane.state) return;
   const i = Number(span.dataset.i);
   const f = pane.state.flat;
-  const trained = f.mask[i] ? "1 (trained)" : "0 (not trained)";
+  const trained = pane.state.ep.step > 0 ? (f.mask[i] ? "1 (trained)" : "0 (not trained)")
+    : (f.mask[i] ? "1 (sampled by the policy)" : "0 (not sampled)");
   const lp = f.logprob[i];
   let prob = "logprob - (not sampled by the policy)";
   if (f.mask[i]) prob = lp === null ? "logprob not finite" : `logprob ${lp.toFixed(4)} (p ${Math.exp(lp).toFixed(4)})`;
@@ -293,7 +369,10 @@ $("page-no").addEventListener("change", () => {
   offset = (page - 1) * PAGE;
   loadList();
 });
-$("compare-run").addEventListener("change", () => { if (compareWith) loadCompare(compareWith); });
+$("compare-run").addEventListener("change", () => {
+  compareChosen = Number($("compare-run").value);
+  if (compareWith) loadCompare(compareWith, compareChosen);
+});
 $("pane-a").classList.add("pane-ep");
 $("pane-b-episode").classList.add("pane-ep");
 
