@@ -121,6 +121,24 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.curriculum.key = ""  # the grading list, e.g. textcraft's "depth"; "": every training task
     config.curriculum.max_grades = ()  # e.g. (1, 2, 4): depth-1 goals first, then up to 2, then all
     config.curriculum.steps_per_stage = 1  # steps per stage; the last stage lasts to the end
+    # Pass-rate controls (rl/pass_rate.py, train/rl_signal.py; docs/algorithms.md "Groups that carry
+    # signal"), off here: a GRPO group of binary rewards teaches most when about half of it succeeds.
+    config.curriculum.target_pass_rate = 0.5  # the group success both controls below aim at
+    # Which training tasks a step draws: uniform (seeded permutations) | pass_rate (weights peaked at the
+    # target: tasks near it drawn more often, those always or never solved less, down to sampling_floor).
+    config.curriculum.sampling = "uniform"
+    config.curriculum.sampling_floor = 0.1  # pass_rate: a task solved always or never, against 1 at the target
+    config.curriculum.pass_rate_memory = 0.5  # a task's pass rate keeps this much of its old value per new group
+    # Replayed-prefix curriculum: an episode starts k turns into its task's oracle demonstration (the k
+    # actions replayed into the real environment, their tokens in the prompt with loss_mask 0), the
+    # policy plays on from there; k moves down a turn when a group succeeds above target + replay_band
+    # and up one below target - replay_band, so it reaches 0 (training from the start) as success rises.
+    # Held-out evaluation always starts at k = 0. Needs an environment oracle (sft.oracle, sft.horizon
+    # and rollout.action_format say how it demonstrates) and synchronous rollout.
+    config.curriculum.replay = False
+    config.curriculum.replay_by = ""  # "": a k per task; a task-metadata grading (e.g. textcraft's "depth"): a k per grade
+    config.curriculum.replay_start = 1.0  # a new task's k, as a fraction of its demonstration's turns before the last
+    config.curriculum.replay_band = 0.25  # k moves once a group's success is beyond target +- this
 
     # Every key below is a field of train/steps.UpdateConfig or train/rl_batch.BatchFilter;
     # docs/algorithms.md has the formula and paper of each. A bad value is refused at start-up.
@@ -157,6 +175,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.decoupled_ppo = False  # behaviour = sampler log-probs, proximal = recomputed old log-probs
     config.algo.is_cap = 2.0  # importance weights truncated at (TIS) or dropped above (decoupled) this
     config.algo.dynamic_sampling = False  # DAPO: leave out groups whose returns are all equal
+    config.algo.max_extra_groups = 0  # with dynamic_sampling: draw and play up to this many more groups a step until
+    #   every group of the batch has mixed returns (DAPO draws more batches; counted in metrics); 0: the batch as drawn
     config.algo.overlong = "off"  # token-budget-truncated episodes: off | mask | penalty (DAPO's soft punishment)
     config.algo.overlong_buffer = 256  # penalty ramps over the budget's last this-many tokens
     config.algo.overlong_penalty = 1.0  # the penalty at the token budget

@@ -19,6 +19,14 @@ How episodes end (one `EpisodeStatus` each):
   `max_response_length`, or the sampler's cache (`max_cache_len`) filled up;
 - invalid_action_limit: `invalid_action_limit` consecutive invalid actions;
 - env_timeout / infra_error: passed through from the `EnvPool`.
+A replayed prefix (`run(replay=...)`: per task, actions an oracle took) is played right after
+the reset: each action is sent as a step of the real session and its text and the environment's
+answer join the prompt (`Transcript.add_replayed_turn`, loss_mask 0, no log-probs, no turn span),
+so the policy starts k turns into the task and its own turns, the horizon, invalid actions, the
+token budget and the reward count from there. The group's samples replay the same actions into
+the same state, so their prompts stay identical (one prefill, one shared prefix in training). A
+replayed step that ends the episode (an environment that did not repeat the demonstration, or a
+replay as long as it) ends it `infra_error`, unscored, with no policy turn.
 The final observation is never appended (nothing after the last policy token is trained on);
 a turn cut by `max_tokens_per_turn` is still sent as an action (and closed with the end-of-turn
 ids, loss_mask 0, before the observation). The reward of an episode is the sum of the
@@ -175,6 +183,7 @@ class _LiveEpisode:
     seed: int  # what its draws fold in: (group_offset + task index) * group_size + sample, the same
     # episode's number whichever process (or engine run) plays it
     horizon: int  # the most policy turns it may take
+    replay: tuple[str, ...] = ()  # actions sent before the policy's first turn (`run(replay=...)`)
     transcript: Transcript | None = None  # None until reset succeeded
     pending: tuple[int, ...] = ()  # observation ids to append before the next turn
     status: EpisodeStatus | None = None
@@ -248,18 +257,21 @@ class RolloutEngine:
         policy_version: int,
         group_offset: int = 0,
         on_progress: Callable[[RolloutProgress], None] | None = None,
+        replay: Sequence[Sequence[str]] | None = None,
     ) -> list[Trajectory]:
         """Plays `task_ids` x `group_size` episodes of at most `horizon` turns each.
 
         Returns one trajectory per slot, in slot order (task-major): group id
-        `group_offset + task index`, `sample_idx` the index within the group.
+        `group_offset + task index`, `sample_idx` the index within the group. `replay[i]`, if
+        given: the actions every episode of task i replays before the policy plays (see the
+        module docstring).
         `on_progress(RolloutProgress)`, if given, hears how far the run is (episodes finished,
         turns played, tokens decoded), before every sampler call and at the end (on the engine's
         event-loop thread): a progress bar's count and ETA.
         """
         return self._open().run(self.run_async(
             params, task_ids, horizon, rng, policy_version=policy_version, group_offset=group_offset,
-            on_progress=on_progress,
+            on_progress=on_progress, replay=replay,
         ))
 
     async def run_async(
@@ -272,12 +284,16 @@ class RolloutEngine:
         policy_version: int,
         group_offset: int = 0,
         on_progress: Callable[[RolloutProgress], None] | None = None,
+        replay: Sequence[Sequence[str]] | None = None,
     ) -> list[Trajectory]:
         """`run` for callers inside an event loop, with the pool already open in it."""
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1 turn, got {horizon}")
         if len(task_ids) == 0:
             raise ValueError("run needs at least one task id")
+        replay = [()] * len(task_ids) if replay is None else [tuple(actions) for actions in replay]
+        if len(replay) != len(task_ids):
+            raise ValueError(f"replay has {len(replay)} action lists for {len(task_ids)} tasks")
         if self.task_info is None:
             self.task_info = await self.pool.tasks()
         # The sampler's copy of the params (bf16 under bf16 compute), made once for the whole run.
@@ -290,7 +306,7 @@ class RolloutEngine:
         samples = [(i, int(task), j) for i, task in enumerate(task_ids) for j in range(n)]
         episodes = [
             _LiveEpisode(slot=k % wave, task_id=task, group_id=group_offset + i, sample_idx=j, seed=(group_offset + i) * n + j,
-                         horizon=horizon)
+                         horizon=horizon, replay=replay[i])
             for k, (i, task, j) in enumerate(samples)
         ]
         if on_progress is not None:
@@ -421,16 +437,23 @@ class _Rollout:
                 task.cancel()
 
     async def _reset_episodes(self) -> None:
-        """Resets every episode's environment and starts its transcript (a failed reset: its status)."""
+        """Resets every episode's environment, starts its transcript (a failed reset: its status)
+        and replays its prefix."""
         start = time.monotonic()
-        pool = self.engine.pool
-        tools = self.config.tool_calls
-        results = await asyncio.gather(
-            *(self._timed(ep, pool.reset(ep.slot, ep.task_id, tools=tools)) for ep in self.episodes)
-        )
+        await asyncio.gather(*(self._open_episode(ep) for ep in self.episodes))
         self.wait_s += time.monotonic() - start
-        for ep, result in zip(self.episodes, results):
-            self._start_transcript(ep, result)
+
+    async def _open_episode(self, ep: _LiveEpisode) -> None:
+        pool = self.engine.pool
+        self._start_transcript(ep, await self._timed(ep, pool.reset(ep.slot, ep.task_id, tools=self.config.tool_calls)))
+        for action in ep.replay:
+            if ep.status is not None:
+                return
+            result = await self._timed(ep, pool.step(ep.slot, action))
+            if result.status is not None:  # the replay left no state to play from: nothing the policy did
+                ep.status = EpisodeStatus.INFRA_ERROR if result.status.is_scored else result.status
+                return
+            ep.transcript.add_replayed_turn(action, result.observation)
 
     def _start_transcript(self, ep: _LiveEpisode, reset: SlotResult) -> None:
         """The episode's first prompt from its reset's answer (a failed reset: its status)."""
@@ -443,11 +466,11 @@ class _Rollout:
 
     async def _reset_and_prefill(self) -> None:
         await self._reset_episodes()
-        self.ready.update(ep.slot for ep in self.episodes if ep.transcript is not None)
+        self.ready.update(ep.slot for ep in self.episodes if ep.status is None)
         if not self.ready:
             return
         pad = [self.sampler.config.pad_id]
-        prompts = [ep.transcript.token_ids if ep.transcript else pad for ep in self.episodes]
+        prompts = [ep.transcript.token_ids if ep.status is None else pad for ep in self.episodes]
         self.state = await self._in_sampler(lambda: self.sampler.prefill(self.params, prompts), sorted(self.ready))
 
     async def _timed(self, ep: _LiveEpisode, request) -> SlotResult:
@@ -604,7 +627,7 @@ class _SlotRollout(_Rollout):
         self.episodes = episodes
         try:
             await self._reset_all()
-            waiting = [ep for ep in episodes if ep.transcript is not None]
+            waiting = [ep for ep in episodes if ep.status is None]
             self.ready.clear()
             if not waiting:
                 return

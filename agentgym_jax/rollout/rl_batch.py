@@ -10,7 +10,9 @@ Host-side (NumPy) choices made once per step, before the jitted `prepare`:
   "penalty" adds the soft overlong punishment to every episode's return by its response length;
 - dynamic sampling (DAPO): groups whose trained members all have the same return (zero
   advantage under a group baseline) are left out; the step reports how many groups it lost
-  (`dynamic_sampling/shortfall`) instead of refilling the batch, so the batch shape (and the
+  (`dynamic_sampling/shortfall`). With `max_extra_groups` the RL step first plays up to that
+  many more groups to replace them (`train/rl_signal.py`, which asks `signal_groups` which
+  groups carry signal); the batch keeps its number of groups either way, so its shape (and the
   compiled step) stays the same.
 Masked rows stay in the batch (their tokens, padding-like), so shapes never depend on the data.
 """
@@ -36,6 +38,7 @@ class BatchFilter:
 
     grouped: bool = True  # the estimator uses a group baseline (GRPO, Dr. GRPO, RLOO)
     dynamic_sampling: bool = False  # drop groups whose trained returns are all equal
+    max_extra_groups: int = 0  # with dynamic_sampling: the most groups a step plays beyond its batch to replace them
     overlong: str = "off"  # one of OVERLONG_MODES
     max_response_length: int = 4096  # the rollout's token budget (policy + environment tokens)
     overlong_buffer: int = 0  # DAPO's L_cache: the penalty ramps over the budget's last tokens
@@ -51,6 +54,10 @@ class BatchFilter:
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        if not isinstance(self.max_extra_groups, int) or self.max_extra_groups < 0:
+            raise ValueError(f"max_extra_groups must be an integer >= 0, got {self.max_extra_groups!r}")
+        if self.max_extra_groups and not self.dynamic_sampling:
+            raise ValueError("max_extra_groups replaces the groups dynamic sampling leaves out: set dynamic_sampling=True")
 
 
 def response_length(t: Trajectory) -> int:
@@ -66,12 +73,20 @@ def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, penalty:
     return -penalty * over
 
 
-def training_batch(
-    trajectories: Sequence[Trajectory], rules: BatchFilter, *, seq_len: int, batch_size: int
-) -> tuple[TokenBatch, dict[str, float]]:
-    """The padded batch of `trajectories` with untrained rows masked, and what was left out."""
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+    """What `rules` make of a rollout's episodes before any group is dropped."""
+
+    trajectories: list[Trajectory]  # with the overlong penalty in their reward, where it applies
+    trained: np.ndarray  # [n] bool: scored, and not masked as overlong
+    truncated: np.ndarray  # [n] bool: cut by the token budget
+    members: dict[int, list[int]]  # group id -> its trained rows
+    small: list[int]  # groups with fewer than 2 trained members under a group baseline
+    uniform: list[int]  # the other groups whose trained members all have the same return
+
+
+def _groups(trajectories: Sequence[Trajectory], rules: BatchFilter) -> _Groups:
     trained = np.array([t.status.is_scored for t in trajectories], bool)
-    unscored = int((~trained).sum())
     truncated = np.array([t.status == EpisodeStatus.TOKEN_BUDGET for t in trajectories], bool)
     if rules.overlong == "mask":
         trained &= ~truncated
@@ -80,15 +95,30 @@ def training_batch(
         penalties = overlong_penalty(lengths, rules.max_response_length, rules.overlong_buffer, rules.overlong_penalty)
         trajectories = [dataclasses.replace(t, reward=t.reward + float(p)) for t, p in zip(trajectories, penalties)]
     returns = np.array([t.reward for t in trajectories], np.float64)
-
     members: dict[int, list[int]] = collections.defaultdict(list)
     for row, t in enumerate(trajectories):
         if trained[row]:
             members[t.group_id].append(row)
-    num_groups = len({t.group_id for t in trajectories})
     small = [g for g, rows in members.items() if rules.grouped and len(rows) < 2]
     uniform = [g for g, rows in members.items() if g not in small and np.ptp(returns[rows]) == 0]
-    dropped = small + (uniform if rules.dynamic_sampling else [])
+    return _Groups(list(trajectories), trained, truncated, dict(members), small, uniform)
+
+
+def signal_groups(trajectories: Sequence[Trajectory], rules: BatchFilter) -> set[int]:
+    """The ids of the groups whose trained members' returns differ: those dynamic sampling keeps."""
+    groups = _groups(trajectories, rules)
+    return set(groups.members) - set(groups.small) - set(groups.uniform)
+
+
+def training_batch(
+    trajectories: Sequence[Trajectory], rules: BatchFilter, *, seq_len: int, batch_size: int
+) -> tuple[TokenBatch, dict[str, float]]:
+    """The padded batch of `trajectories` with untrained rows masked, and what was left out."""
+    groups = _groups(trajectories, rules)
+    trajectories, trained, members, uniform = groups.trajectories, groups.trained.copy(), groups.members, groups.uniform
+    unscored = sum(not t.status.is_scored for t in trajectories)
+    num_groups = len({t.group_id for t in trajectories})
+    dropped = groups.small + (uniform if rules.dynamic_sampling else [])
     for g in dropped:
         trained[members[g]] = False
 
@@ -99,11 +129,11 @@ def training_batch(
     kept = len(members) - len(dropped)  # groups with a trained row
     metrics = {
         "unscored_episodes": float(unscored),
-        "overlong_episodes": float(truncated.sum()),
+        "overlong_episodes": float(groups.truncated.sum()),
         "trained_episodes": float(trained.sum()),
         "groups_trained": float(kept),
         "groups_uniform": float(len(uniform)),
-        # groups of the step that do not train (uniform, unscored or too small), not refilled
+        # groups of the step that do not train (uniform, unscored or too small), after any extra groups replaced some
         "dynamic_sampling/shortfall": float(num_groups - kept) if rules.dynamic_sampling else 0.0,
     }
     return batch, metrics

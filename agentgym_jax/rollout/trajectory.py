@@ -36,6 +36,9 @@ class Trajectory:
     token_versions: list[int] = dataclasses.field(default_factory=list)  # per token id, the policy version
     # that sampled it (-1 off the loss mask); empty: every sampled token's is `policy_version`
     train_step: int = -1  # the RL step whose update used it (-1: none, e.g. evaluation)
+    replay_turns: int = 0  # oracle turns replayed before the policy's first (in the prompt, loss_mask 0)
+    curriculum: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's standing when the
+    # RL step drew it (`train/rl_signal.py`: its pass rate, the step's stage); empty outside such a step
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     text: str = ""
 

@@ -8,6 +8,8 @@ and append environment answers with the same ids:
     transcript.add_policy_turn(sampled_ids, sampled_logprobs)    # loss_mask 1
     transcript.add_observation(observation)                      # loss_mask 0
     ...
+    transcript.add_replayed_turn(oracle_action, observation)     # before any policy turn: all loss_mask 0
+    ...
     Transcript.start(..., tools=schemas)                         # a function-calling episode
     ...
     trajectory = transcript.to_trajectory(task_id=..., env=..., ...)
@@ -68,6 +70,7 @@ class Transcript:
         self.loss_mask: list[int] = [0] * len(prompt)
         self.logprobs: list[float] = [0.0] * len(prompt)
         self.turn_spans: list[tuple[int, int]] = []
+        self.replayed_turns = 0
 
     @classmethod
     def start(
@@ -101,6 +104,21 @@ class Transcript:
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.turn_spans.append((start, len(self.token_ids)))
+
+    def add_replayed_turn(self, content: str, observation: str) -> None:
+        """Appends a turn the policy did not play (an oracle action replayed into the environment,
+        framed as `add_assistant_text` frames it) and the environment's answer, all loss_mask 0, and
+        makes them part of the prompt: the episode's samples share them, the policy's turns (and the
+        token budget, `response_len`) start after them."""
+        if self.turn_spans:
+            raise ValueError("replayed turns come before the policy's first turn")
+        ids = self.framing.assistant_ids(content).ids
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.add_observation(observation)
+        self.prompt_len = len(self.token_ids)
+        self.replayed_turns += 1
 
     def add_assistant_text(self, content: str) -> None:
         """Appends `content` as the policy would have sampled it (content ids + end-of-turn id)."""
@@ -158,6 +176,7 @@ class Transcript:
             turn_rewards=[float(r) for r in turn_rewards],
             reward=float(sum(turn_rewards)),
             status=status,
+            replay_turns=self.replayed_turns,
             text=self.framing.tokenizer.decode(self.token_ids, skip_special_tokens=False),
             **fields,
         )

@@ -92,19 +92,23 @@ class Synchronous:
 
     def take(self, step: int, policy: Policy) -> tuple[list[Trajectory], dict[str, float]]:
         tasks, first, pool = self.plan.tasks(step)
-        horizon = self.plan.schedule.horizon(step)
+        trajectories, times = self.play(step, policy, tasks, first)
+        return trajectories, {"horizon": self.plan.schedule.horizon(step), "task_pool": pool, **times}
+
+    def play(self, step: int, policy: Policy, tasks: list[int], first: int,
+             replay: list[tuple[str, ...]] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """Step `step`'s episodes of `tasks` (groups numbered from `first`; `replay`: the engine's),
+        and the seconds the rollout, the sampler and its waits took."""
         start = time.time()
         episodes = len(tasks) * self.engine.config.group_size
         with Progress(f"step {step + 1} rollout", episodes, "episode", show_after_s=INTERVAL_S) as bar:  # a long one
             trajectories = self.engine.run(
-                policy(), tasks, horizon, jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
-                policy_version=step, group_offset=first, on_progress=show_rollout(bar),
+                policy(), tasks, self.plan.schedule.horizon(step), jax.random.fold_in(jax.random.PRNGKey(self.plan.seed), step),
+                policy_version=step, group_offset=first, on_progress=show_rollout(bar), replay=replay,
             )
         stats = self.engine.last_stats
-        return trajectories, {
-            "horizon": horizon, "task_pool": pool, "rollout_s": time.time() - start,
-            "sampler_busy_s": stats.sampler_busy_s, "sampler_wait_s": stats.sampler_wait_s,
-        }
+        return trajectories, {"rollout_s": time.time() - start, "sampler_busy_s": stats.sampler_busy_s,
+                              "sampler_wait_s": stats.sampler_wait_s}
 
     def updated(self, version: int, policy: Policy) -> None:
         del version, policy  # the next step reads the weights itself

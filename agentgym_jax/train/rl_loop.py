@@ -31,7 +31,7 @@ from agentgym_jax.job import play, setup
 from agentgym_jax.job import settings as job_settings
 from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer, process_share
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
-from agentgym_jax.train import build, rl_episodes, rl_report, settings
+from agentgym_jax.train import build, rl_episodes, rl_report, rl_signal, settings
 from agentgym_jax.train.metrics import MetricsLogger
 from agentgym_jax.train.sft import BehaviourCloning
 from agentgym_jax.train.state import make_optimizer, reference_params
@@ -42,6 +42,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
     schedule = settings.horizon_schedule(config.horizon_schedule)
     curriculum = settings.curriculum(config.curriculum)
+    signal, rules = settings.signal(config), settings.batch_filter(config)  # pass-rate controls (train/rl_signal.py)
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
         return finished
@@ -50,6 +51,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         job = stack.enter_context(setup.open_job(config))
         workdir, mesh, info = job.workdir, job.mesh, job.info
         settings.check_curriculum(curriculum, info.splits["train"], info.metadata)
+        settings.check_signal(config, signal, rules, info.metadata)
         ckpt = setup.checkpointer(config, workdir)
         stack.callback(ckpt.close)
         resuming = ckpt.latest_step is not None
@@ -100,7 +102,6 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         truncate_jsonl(trajectories_path, before_step=meta["rl_step"])  # the steps after it are replayed
         logger = MetricsLogger(str(workdir), total_steps=config.train.steps, start_step=meta["rl_step"], write=is_writer(),
                                desc="rl")
-        rules = settings.batch_filter(config)
         # algo.shared_prefix: each group's rows packed as one prefix tree (its prompt computed once), whole
         # units (groups) per micro-batch and per batch shard.
         packed = dict(rows_per_unit=config.rollout.group_size, unit_multiple=math.lcm(
@@ -108,8 +109,10 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         ) if update.batching.shared_prefix else {}
         plan = rl_episodes.StepPlan(schedule, curriculum, info, config.rollout.batch_tasks, config.seed, config.train.steps)
         positions = meta.get("episodes") or [{}] * jax.process_count()  # each process's stream, where it stood
-        source = rl_episodes.of(plan, train_engine, settings.async_rollout(config, update.rl.corrects_off_policy),
-                                positions[jax.process_index()])
+        # With pass-rate controls (replayed prefixes, pass-rate-targeted tasks, extra groups): train/rl_signal.py.
+        streaming, position = settings.async_rollout(config, update.rl.corrects_off_policy), positions[jax.process_index()]
+        source = (rl_signal.Steered(plan, train_engine, signal, rules, position) if signal.steers(rules)
+                  else rl_episodes.of(plan, train_engine, streaming, position))
         stack.callback(source.close)
         step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
@@ -157,7 +160,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     record = rl_report.build_report(
         env=info.env, seed=config.seed, steps=config.train.steps, reward_shaping=config.env.reward_shaping,
         before=meta["eval_before"], after=after, minutes=earlier_minutes + this_process, process_minutes=this_process,
-        resumed_from_step=resumed_from,
+        resumed_from_step=resumed_from, curriculum=source.summary() if isinstance(source, rl_signal.Steered) else None,
+        grading=rl_report.task_grades(info.metadata, signal.replay_by or curriculum.key),
     )
     rl_report.write_report(workdir, record)
     return rl_report.print_report(record)

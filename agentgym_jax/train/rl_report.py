@@ -27,17 +27,42 @@ TABLE_ROWS = ("success_rate", "mean_reward", "turns", "invalid_action_rate")
 
 def build_report(
     *, env: str, seed: int, steps: int, reward_shaping: str, before: Mapping[str, Any], after: Mapping[str, Any],
-    minutes: float, process_minutes: float, resumed_from_step: int | None,
+    minutes: float, process_minutes: float, resumed_from_step: int | None, curriculum: Mapping[str, Any] | None = None,
+    grading: tuple[str, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
-    """The record `report.json` holds (`before`/`after`: `job.play.evaluation_metrics` of the held-out evaluations)."""
+    """The record `report.json` holds (`before`/`after`: `job.play.evaluation_metrics` of the held-out
+    evaluations; `curriculum`: the pass-rate controls' `Steered.summary()`, if the run had them;
+    `grading`: (name, one grade per task id) for held-out success by grade)."""
     intervals = {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
                  for name, result in (("before", before), ("after", after))}
-    return {
+    record = {
         "before": dict(before), "after": dict(after),
         "success_before": before["success_rate"], "success_after": after["success_rate"], "wilson_95": intervals,
         "env": env, "seed": seed, "steps": steps, "reward_shaping": reward_shaping,
         "minutes": minutes, "process_minutes": process_minutes, "resumed_from_step": resumed_from_step,
     }
+    if curriculum:
+        record["curriculum"] = dict(curriculum)
+    if grading:
+        name, graded = grading
+        record["success_by_grade"] = {"grade": name, **{
+            phase: _by_grade(result["task_success"], graded) for phase, result in (("before", before), ("after", after))}}
+    return record
+
+
+def task_grades(metadata: Mapping[str, Any], key: str) -> tuple[str, Sequence[float]] | None:
+    """(key, one grade per task id) where the environment grades its tasks by `key`, else None."""
+    return (key, metadata[key]) if key and key in metadata else None
+
+
+def _by_grade(task_success: Sequence[Sequence[int]], graded: Sequence[float]) -> dict[str, list[int]]:
+    """`{grade: [successes, episodes]}` of an evaluation's `[task_id, success]` pairs."""
+    out: dict[Any, list[int]] = {}
+    for task, success in task_success:
+        counts = out.setdefault(graded[task], [0, 0])
+        counts[0] += success
+        counts[1] += 1
+    return {str(grade): out[grade] for grade in sorted(out, key=lambda g: (isinstance(g, str), g))}
 
 
 def write_report(workdir: pathlib.Path, record: Mapping[str, Any]) -> None:
@@ -68,6 +93,11 @@ def print_report(record: Mapping[str, Any]) -> dict[str, float]:
     for key in TABLE_ROWS:
         print(f"| {key} | {before[key]:.3f} | {after[key]:.3f} |")
     print("| success, Wilson 95% | " + " | ".join(f"[{lo:.3f}, {hi:.3f}]" for lo, hi in record["wilson_95"].values()) + " |")
+    if by_grade := record.get("success_by_grade"):
+        print(f"held-out success by {by_grade['grade']}: " + ", ".join(
+            f"{grade}: {wins}/{n} -> {by_grade['after'][grade][0]}/{n}" for grade, (wins, n) in by_grade["before"].items()))
+    if curriculum := record.get("curriculum"):
+        print("pass-rate controls: " + ", ".join(f"{key}={value}" for key, value in curriculum.items()))
     if record["resumed_from_step"] is not None:
         print(f"resumed at step {record['resumed_from_step']}: the last process took {record['process_minutes']:.1f} "
               f"of the run's {record['minutes']:.1f} minutes")

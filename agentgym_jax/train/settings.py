@@ -3,8 +3,9 @@
 `rl/` holds the pure pieces (estimators and losses in registries with their hyper-parameters,
 schedules, curricula) and knows nothing of configs. Here `config.algo` becomes the update's
 `Forward`, `Batching` and `RLSpec` (`train/steps.py`) and the `BatchFilter`; `config.horizon_schedule` and
-`config.curriculum` their schedules; `config.optim` each phase's optimizer settings; `config.rollout`'s
-asynchronous keys `rl_episodes.AsyncSettings`. Fields are
+`config.curriculum` their schedules (and its pass-rate controls `rl_signal.SignalSettings`);
+`config.optim` each phase's optimizer settings; `config.rollout`'s asynchronous keys
+`rl_episodes.AsyncSettings`. Fields are
 read by name, so a config key is the field it sets (`algo.<field>`, and `algo.<hparam>` for each
 hyper-parameter the chosen estimator or loss declares); 0 sets an optional value to "off" (its
 function's default). A bad value is a one-line `ConfigError` naming it (architecture rule 6).
@@ -23,11 +24,12 @@ from agentgym_jax.config import ConfigError
 from agentgym_jax.job import settings as job_settings
 from agentgym_jax.models.config import ModelConfig, load_config
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
-from agentgym_jax.rl.curriculum import Curriculum
+from agentgym_jax.rl.curriculum import Curriculum, grades
+from agentgym_jax.rl.pass_rate import PassRate, ReplayControl
 from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
 from agentgym_jax.rollout.rl_batch import BatchFilter
-from agentgym_jax.train import rl_episodes
+from agentgym_jax.train import rl_episodes, rl_signal
 from agentgym_jax.train.scoring import Forward
 from agentgym_jax.train.steps import Batching, DPOSpec, RLSpec, UpdateConfig, check_microbatches
 
@@ -190,13 +192,42 @@ def horizon_schedule(section: Mapping[str, Any]) -> HorizonSchedule:
 
 
 def curriculum(section: Mapping[str, Any]) -> Curriculum:
-    """`config.curriculum` (`key`, `max_grades`, `steps_per_stage`)."""
-    params = dict(section.items())
+    """`config.curriculum`'s difficulty stages (`key`, `max_grades`, `steps_per_stage`)."""
+    params = {f.name: section[f.name] for f in dataclasses.fields(Curriculum) if f.name in section}
     params["max_grades"] = tuple(params.get("max_grades") or ())
     try:
         return Curriculum(**params)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def signal(config: ml_collections.ConfigDict) -> rl_signal.SignalSettings:
+    """`config.curriculum`'s pass-rate controls (`target_pass_rate`, `sampling`, `sampling_floor`,
+    `pass_rate_memory`, `replay`, `replay_by`, `replay_start`, `replay_band`), replaying the
+    demonstrations `config.sft` and `rollout.action_format` describe. All off when absent."""
+    c, target = config.curriculum, config.curriculum.get("target_pass_rate", 0.5)
+    try:
+        replay = ReplayControl(target, c.get("replay_band", 0.25), c.get("replay_start", 1.0)) if c.get("replay", False) else None
+        return rl_signal.SignalSettings(
+            target=target, sampling=c.get("sampling", "uniform"), sampling_floor=c.get("sampling_floor", 0.1),
+            pass_rate=PassRate(c.get("pass_rate_memory", 0.5)), replay=replay, replay_by=c.get("replay_by", ""),
+            oracle=config.sft.oracle, action_format=config.rollout.action_format, oracle_horizon=config.sft.horizon)
+    except ValueError as e:
+        raise ConfigError(f"config.curriculum: {e}") from e
+
+
+def check_signal(config: ml_collections.ConfigDict, signal: rl_signal.SignalSettings, rules: BatchFilter,
+                 metadata: Mapping[str, Any]) -> None:
+    """Refuses, when the job opens, pass-rate controls with asynchronous rollout (their draws would
+    depend on when groups finish) and a `replay_by` grading the environment lacks."""
+    if signal.steers(rules) and config.rollout.get("max_staleness", 0):
+        raise ConfigError("curriculum.replay, curriculum.sampling=pass_rate and algo.max_extra_groups need synchronous "
+                          "rollout: set rollout.max_staleness=0")
+    if signal.replay_by:
+        try:
+            grades(metadata, signal.replay_by)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("curriculum.key", "curriculum.replay_by")) from e
 
 
 def check_curriculum(plan: Curriculum, train_ids: Sequence[int], metadata: Mapping[str, Any]) -> None:
