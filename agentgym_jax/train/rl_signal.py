@@ -93,8 +93,8 @@ class Standing:
         self.oracle_turns: dict[int, int] = {int(t): int(n) for t, n in position.get("oracle_turns", [])}
 
     def position(self) -> dict[str, list]:
-        return {"pass_rates": sorted(self.pass_rates.items()), "replay_turns": sorted(self.replay_turns.items()),
-                "oracle_turns": sorted(self.oracle_turns.items())}
+        return {name: [list(item) for item in sorted(table.items())] for name, table in
+                (("pass_rates", self.pass_rates), ("replay_turns", self.replay_turns), ("oracle_turns", self.oracle_turns))}
 
     def unit(self, task: int) -> Any:
         return task if self.grade is None else self.grade[task]
