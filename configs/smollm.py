@@ -34,6 +34,9 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
   so no GRPO group is mixed.
 - Sampling at temperature 0.7: at 1.0 the SFT'd model's turns were 94-99% invalid actions (no
   group had a mixed outcome); the RL trainer scores the same tempered distribution.
+`configs/smollm.py:textcraft_replay` and `:babyai_replay` (REPLAY below) add the replayed-prefix
+curriculum (issue #44): every depth or grade drawn, episodes started near the goal of the task's
+oracle demonstration and moved back to its start as groups succeed.
 Results, commands, seeds and minutes: docs/experiments.md.
 """
 
@@ -80,10 +83,34 @@ RECIPES = {
 }
 
 
+# Replayed-prefix curriculum variants (`configs/smollm.py:<env>_replay`; docs/algorithms.md, "Groups
+# that carry signal"): every task drawn, each episode starting k turns into its task's oracle
+# demonstration with k kept per grade and steered toward groups half successful (one turn before
+# the goal at first, back to the start as groups succeed), tasks drawn toward that pass rate, and
+# up to a second batch of groups played to replace those whose returns are all equal. Prepared for
+# issue #44's runs, not yet measured: their results, minutes and what limits them go to
+# docs/experiments.md.
+REPLAY = {
+    "textcraft": dict(
+        replay_by="depth",  # depth-2 goals (61% of the test split) start one craft from done, then further back
+        steps=20,  # stages of 10 at horizons 6 and 8: up to 80 groups of 6, twice that drawn at most
+        max_cache_len=512 + 512 + 768,  # the prompt, up to 7 replayed turns (~40 ids each plus an inventory), the episode
+    ),
+    "babyai": dict(
+        replay_by="oracle_turns",  # tasks the oracle finishes in as many actions share a k
+        steps=24,  # stages of 8 at horizons 4, 6 and 8 over every task (no difficulty stages)
+        max_cache_len=512 + 768 + 768,  # up to 7 replayed turns of a ~55-90-id view and an action
+    ),
+}
+
+
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-    """`arg`: the environment, one of RECIPES."""
+    """`arg`: the environment, one of RECIPES, or `<env>_replay`, one of REPLAY."""
+    if arg.endswith("_replay") and arg.removesuffix("_replay") in REPLAY:
+        return replay_config(arg.removesuffix("_replay"))
     if arg not in RECIPES:
-        raise ValueError(f"configs/smollm.py needs an environment, e.g. configs/smollm.py:textcraft; valid: {', '.join(RECIPES)}")
+        raise ValueError(f"configs/smollm.py needs an environment, e.g. configs/smollm.py:textcraft; valid: "
+                         f"{', '.join([*RECIPES, *(f'{env}_replay' for env in REPLAY)])}")
     recipe = RECIPES[arg]
     config = cpu.get_config(arg)  # the environment's horizon, turn and budget numbers, then the overrides below
     config.workdir = f"runs/{arg}_smollm"
@@ -120,4 +147,23 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.num_minibatches = 1
     config.algo.num_microbatches = 8  # 3 of 24 rows at a time: ~17 GB peak at 4 (run E)
     config.algo.length_buckets = 3
+    return config
+
+
+def replay_config(env: str) -> ml_collections.ConfigDict:
+    """The `env` recipe with the replayed-prefix curriculum, pass-rate-targeted tasks and refilled
+    dynamic sampling (REPLAY)."""
+    recipe = REPLAY[env]
+    config = get_config(env)
+    config.workdir = f"runs/{env}_smollm_replay"
+    config.curriculum.key, config.curriculum.max_grades = "", ()  # every grade: the replay makes the hard ones reachable
+    config.curriculum.replay = True
+    config.curriculum.replay_by = recipe["replay_by"]
+    config.curriculum.replay_start = 1.0
+    config.curriculum.sampling = "pass_rate"
+    config.algo.dynamic_sampling = True
+    config.algo.max_extra_groups = config.rollout.batch_tasks
+    config.rollout.max_cache_len = recipe["max_cache_len"]
+    config.train.steps = recipe["steps"]
+    config.horizon_schedule.steps_per_stage = recipe["steps"] // len(config.horizon_schedule.horizons)
     return config

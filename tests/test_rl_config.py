@@ -112,7 +112,8 @@ def test_bad_filter_values_are_config_errors():
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
               *(f"{env}_cpu.py" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "sql", "search", "movie")),
-              *(f"{env}_smollm.py" for env in ("textcraft", "babyai", "maze", "wordle")), "quickstart_async.py"]
+              *(f"{env}_smollm.py" for env in ("textcraft", "babyai", "maze", "wordle")), "quickstart_async.py",
+              "smollm.py:textcraft_replay", "smollm.py:babyai_replay"]
 
 
 @pytest.mark.parametrize("name", RL_CONFIGS)
@@ -125,7 +126,8 @@ def test_every_rl_config_builds_its_update_filter_and_schedules(name):
     config = load_config_file(f"configs/{name}")
     assert config.mode == "rl"
     update = settings.update(config, MODEL, objective="rl")
-    settings.batch_filter(config)
+    rules, signal = settings.batch_filter(config), settings.signal(config)
+    assert signal.steers(rules) == name.endswith("_replay")  # the pass-rate controls: in the replay recipes only
     schedule = from_config(config.horizon_schedule)
     settings.curriculum(config.curriculum)
     assert schedule.horizon(config.train.steps - 1) <= config.eval.horizon  # held out at least the trained horizon

@@ -28,9 +28,10 @@ from agentgym_jax.train.rl_signal import SignalSettings, Standing, Steered
 from configs import quickstart
 from environments.room.env import RoomEnv
 from environments.textcraft.env import TextCraftEnv
+from tests.rl_runs import TINY_RL_JOB, launch, run_rl_job
 from tests.servers import start_server
 from tests.test_replay import framing  # noqa: F401 (fixture)
-from tests.test_rollout import ScriptedSampler
+from tests.test_rollout import ScriptedSampler, oracle_moves
 
 CONTROL = ReplayControl(target=0.5, band=0.25, start=1.0)
 
@@ -235,3 +236,57 @@ def test_the_job_refuses_what_the_controls_cannot_do():
     assert not SignalSettings().steers(BatchFilter()) and SignalSettings().steers(rules)
     assert settings.curriculum(ml_collections.ConfigDict(config.curriculum.to_dict())) == Curriculum()
     assert math.isclose(settings.signal(config).replay.band, 0.25)
+
+
+# The quickstart shortened to its smallest path with every control on: a k per room layout, pass-rate
+# draws, up to 2 extra groups a step. 2 steps, then the same command with 3: the run resumes at step 2.
+CURRICULUM_JOB = {
+    **TINY_RL_JOB, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 2,
+    "curriculum.replay": True, "curriculum.replay_by": "layout", "curriculum.sampling": "pass_rate",
+    "algo.dynamic_sampling": True, "algo.max_extra_groups": 2,
+}
+
+
+@pytest.mark.slow
+def test_a_curriculum_job_replays_prefixes_masked_evaluates_from_the_start_and_resumes_its_k(tmp_path):
+    overrides = {**CURRICULUM_JOB, "workdir": tmp_path}
+    first = launch("configs/quickstart.py", {**overrides, "train.steps": 2}, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    meta = json.loads(next((tmp_path / "checkpoints" / "2" / "meta").glob("*")).read_text())
+    summary = run_rl_job("configs/quickstart.py", {**overrides, "train.steps": 3}, timeout=900)
+    assert summary.env == "room"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resumed_from_step"] == 2 and report["curriculum"]["replay_by"] == "layout"
+    assert set(report["success_by_grade"]["after"]) == {"0"}  # the 2 held-out tasks lie in layout 0
+
+    trajectories = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted({t["train_step"] for t in trajectories}) == [0, 1, 2]
+    assert any(t["replay_turns"] for t in trajectories)
+    for t in trajectories:  # replayed turns in the prompt, no loss or log-prob on them; the step's record
+        first_turn = t["turn_spans"][0][0] if t["turn_spans"] else len(t["token_ids"])
+        assert not any(t["loss_mask"][:first_turn]) and not any(t["logprobs"][:first_turn])
+        assert t["curriculum"]["stage"] == (0 if t["train_step"] < 2 else 1)
+    # Step 2 ran in the resumed process: each layout's k is the one the checkpoint of step 2 kept (a
+    # task's demonstration, where the checkpoint has none yet, counted by the oracle played in-process).
+    standing = Standing(settings.signal(quickstart_with(CURRICULUM_JOB)), RoomEnv.task_info().metadata, meta["episodes"][0])
+    resumed = [t for t in trajectories if t["train_step"] == 2]
+    assert any(standing.unit(t["task_id"]) in standing.replay_turns for t in resumed)  # a layout played before the kill
+    for t in resumed:
+        standing.oracle_turns.setdefault(t["task_id"], len(oracle_moves(t["task_id"], RoomEnv)))
+        assert t["replay_turns"] == standing.turns(t["task_id"])
+    # Held-out evaluation starts every episode at the task's start.
+    for name in ("eval_before.jsonl", "eval_after.jsonl"):
+        assert all(json.loads(line)["replay_turns"] == 0 for line in (tmp_path / name).read_text().splitlines())
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["dynamic_sampling/extra_groups"] <= 2 and "replay/turns_mean" in m and m["pass_rate/known_tasks"] >= 2
+
+
+def quickstart_with(overrides: dict) -> ml_collections.ConfigDict:
+    """The quickstart's config with the curriculum keys of `overrides` (what `settings.signal` reads)."""
+    config = quickstart.get_config()
+    for key, value in overrides.items():
+        if key.startswith("curriculum."):
+            config.curriculum[key.split(".", 1)[1]] = value
+    return config

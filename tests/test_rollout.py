@@ -357,9 +357,9 @@ def test_killed_server_ends_episodes_with_infra_error(framing, model, sampler, t
 # ---- success and failure: a scripted policy ---------------------------------------------------
 
 
-def oracle_moves(task_id: int) -> list[str]:
-    """The maze oracle's moves for a task, played in-process (independent of the server)."""
-    env = maze.MazeEnv()
+def oracle_moves(task_id: int, game: type = maze.MazeEnv) -> list[str]:
+    """The maze (or room: `game`) oracle's moves for a task, played in-process (independent of the server)."""
+    env = game()
     env.reset(task_id)
     moves = []
     while not env.verify():

@@ -1,6 +1,7 @@
-"""Advantages, losses, KL and horizon schedules: pure functions on arrays.
+"""Advantages, losses, KL, horizon schedules and curricula: pure functions on arrays.
 
 `advantages.py` (with the batch data layout every module shares), `losses.py`, `kl.py`,
-`horizon.py`, and `masked.py` (the masked reductions they all use). Formulas and the differences
-from AgentGym-RL: docs/algorithms.md.
+`horizon.py`, `curriculum.py` and `pass_rate.py` (which tasks a step draws and where their
+episodes start), and `masked.py` (the masked reductions they all use). Formulas and the
+differences from AgentGym-RL: docs/algorithms.md.
 """
