@@ -191,3 +191,21 @@ def test_the_report_keeps_the_run_minutes_and_the_last_process_apart(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2] == "resumed at step 20: the last process took 0.3 of the run's 15.7 minutes"
     assert out[-1].endswith("minutes=15.7")
+
+
+def test_the_report_counts_held_out_success_by_grade_and_names_the_pass_rate_controls(capsys):
+    depth = [1, 2, 2, 3, 1, 2]  # one grade per task id
+    result = lambda wins: {"success_rate": len(wins) / 6, "mean_reward": 0.0, "turns": 4.0,  # noqa: E731
+                           "invalid_action_rate": 0.0, "task_success": [[t, int(t in wins)] for t in range(6)]}
+    record = rl_report.build_report(env="textcraft", seed=0, steps=2, reward_shaping="", before=result({0}),
+                                    after=result({0, 1, 4}), minutes=1.0, process_minutes=1.0, resumed_from_step=None,
+                                    curriculum={"replay": True, "replay_by": "depth"},
+                                    grading=rl_report.task_grades({"depth": depth}, "depth"))
+    assert record["success_by_grade"] == {"grade": "depth", "before": {"1": [1, 2], "2": [0, 3], "3": [0, 1]},
+                                          "after": {"1": [2, 2], "2": [1, 3], "3": [0, 1]}}
+    assert rl_report.task_grades({"depth": depth}, "") is None and rl_report.task_grades({}, "depth") is None
+    rl_report.print_report(record)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "held-out success by depth: 1: 1/2 -> 2/2, 2: 0/3 -> 1/3, 3: 0/1 -> 0/1" in out
+    assert "pass-rate controls: replay=True, replay_by=depth" in out
+    assert "curriculum" not in _report(0.5, 0.75) and "success_by_grade" not in _report(0.5, 0.75)

@@ -97,7 +97,8 @@ def print_report(record: Mapping[str, Any]) -> dict[str, float]:
         print(f"held-out success by {by_grade['grade']}: " + ", ".join(
             f"{grade}: {wins}/{n} -> {by_grade['after'][grade][0]}/{n}" for grade, (wins, n) in by_grade["before"].items()))
     if curriculum := record.get("curriculum"):
-        print("pass-rate controls: " + ", ".join(f"{key}={value}" for key, value in curriculum.items()))
+        print("pass-rate controls: " + ", ".join(
+            f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}" for key, value in curriculum.items()))
     if record["resumed_from_step"] is not None:
         print(f"resumed at step {record['resumed_from_step']}: the last process took {record['process_minutes']:.1f} "
               f"of the run's {record['minutes']:.1f} minutes")
