@@ -93,12 +93,14 @@ RECIPES = {
 REPLAY = {
     "textcraft": dict(
         replay_by="depth",  # depth-2 goals (61% of the test split) start one craft from done, then further back
-        steps=20,  # stages of 10 at horizons 6 and 8: up to 80 groups of 6, twice that drawn at most
+        steps=12,  # stages of 6 at horizons 6 and 8; a step ~2.5 minutes alone (run H), up to twice that with
+        #   extra groups: with SFT and two evaluations (~11 minutes) about the 60-minute budget
         max_cache_len=512 + 512 + 768,  # the prompt, up to 7 replayed turns (~40 ids each plus an inventory), the episode
     ),
     "babyai": dict(
         replay_by="oracle_turns",  # tasks the oracle finishes in as many actions share a k
-        steps=24,  # stages of 8 at horizons 4, 6 and 8 over every task (no difficulty stages)
+        steps=12,  # stages of 4 at horizons 4, 6 and 8 over every task (no difficulty stages); ~2.6 minutes a
+        #   step alone (run C), up to twice that with extra groups
         max_cache_len=512 + 768 + 768,  # up to 7 replayed turns of a ~55-90-id view and an action
     ),
 }
