@@ -115,11 +115,11 @@ def test_a_replay_longer_than_the_task_ends_the_episode_without_a_policy_turn(fr
 
 @pytest.fixture(scope="module")
 def sampler(framing) -> tuple[Sampler, ModelConfig, object]:
-    """A tiny random decoder's sampler: 4 rows, prompts with a replayed prefix in the 512 chunk bucket."""
+    """A tiny random decoder's sampler: 4 rows, a prompt with 3 replayed moves (~210 ids) in the 256 chunk bucket."""
     model = ModelConfig.small(vocab_size=len(framing.tokenizer))
     config = RolloutConfig(max_tokens_per_turn=8).sampling_config(framing)
-    sampler = Sampler.for_decoder(model, config, max_cache_len=1024, batch_buckets=(4,), chunk_buckets=(128, 512),
-                                  cache_buckets=(1024,))
+    sampler = Sampler.for_decoder(model, config, max_cache_len=512, batch_buckets=(4,), chunk_buckets=(128, 256),
+                                  cache_buckets=(512,))
     return sampler, model, random_params(model, 0.02)
 
 
@@ -145,7 +145,7 @@ def test_slot_engine_prefills_a_replayed_prompt_once_and_the_group_packs_it_once
         assert a.replay_turns == b.replay_turns == 3 and a.turn_spans[0][0] == prefix
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.status == b.status
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    one_prefill = 4 * 512  # the 4-row bucket x the replayed prompt's chunk bucket
+    one_prefill = 4 * 256  # the 4-row bucket x the replayed prompt's chunk bucket
     assert runs["slots_stats"].prompt_tokens_computed == runs["turns_stats"].prompt_tokens_computed == one_prefill
     assert runs["slots_stats"].prompt_tokens == 2 * prefix
     rows = [np.asarray(t.token_ids) for t in runs["turns"]]
