@@ -317,18 +317,24 @@ class Sandbox:
         self._scanned = 0
         return json.loads(line)
 
-    def run(self, command: str, stdin: str = "", pass_fds: Iterable[int] = ()) -> RunResult:
-        """Runs `bash -c command` in `/work` under the limits; `pass_fds` become its fds 3, 4, ..."""
-        if self.closed:
-            raise SandboxError("the sandbox was closed")
-        request = json.dumps({"op": "run", "command": command, "stdin": stdin,
-                              "limits": self.command_limits.as_json()}).encode() + b"\n"
+    def run(self, command: str, stdin: str = "", give_fds: Iterable[int] = ()) -> RunResult:
+        """Runs `bash -c command` in `/work` under the limits. `give_fds` (at most four) become the
+        command's fds 3, 4, ...; this process's copies are closed once sent."""
+        give_fds = list(give_fds)
         try:
-            sent = socket.send_fds(self._channel, [request], list(pass_fds))
-            self._channel.sendall(request[sent:])
-        except (OSError, ValueError):
-            self.close()
-            raise SandboxError("the sandbox ended") from None
+            if self.closed:
+                raise SandboxError("the sandbox was closed")
+            request = json.dumps({"op": "run", "command": command, "stdin": stdin,
+                                  "limits": self.command_limits.as_json()}).encode() + b"\n"
+            try:
+                sent = socket.send_fds(self._channel, [request], give_fds)
+                self._channel.sendall(request[sent:])
+            except (OSError, ValueError):
+                self.close()
+                raise SandboxError("the sandbox ended") from None
+        finally:
+            for fd in give_fds:
+                os.close(fd)
         answer = self._answer(time.monotonic() + self.limits.wall_s + GRACE_S)
         if "error" in answer:
             raise RequestFailed(answer["error"])
