@@ -111,9 +111,9 @@ class CodeEnv(SandboxEnv):
         if kind == "run":
             graded = grading.grade(self.sandbox, self.problem, "public")
             self.tested = True
-            return self.go_on(public_report(graded), invalid=False, exit_code=graded.run.exit_code)
+            return self.go_on(public_report(graded, len(self.problem.public_tests)), invalid=False, exit_code=graded.run.exit_code)
         graded = grading.grade(self.sandbox, self.problem, "hidden")
-        self.passed = graded.verdict["passed"] is True
+        self.passed = graded.passed == 1
         verdict = "passed" if self.passed else "failed"
         self._observation = f"Your solution {verdict} the hidden tests. The task is over."
         return self.result(self._observation, float(self.passed), True, invalid=False,
@@ -133,12 +133,11 @@ class CodeEnv(SandboxEnv):
         return "submit" if self.tested else "run"
 
 
-def public_report(graded: grading.Graded) -> str:
+def public_report(graded: grading.Graded, total: int) -> str:
     """One line per public test and the count; then the program's own output when it said anything."""
-    verdict, run = graded.verdict, graded.run
-    report = "\n".join([*verdict["lines"], f"{verdict['passed']} of {verdict['total']} public tests passed"])
-    if _worth_showing(run):
-        report += f"\nYour program's own output:\n{run.render(LIMITS)}"
+    report = "\n".join([*graded.lines, f"{graded.passed} of {total} public tests passed"])
+    if _worth_showing(graded.run):
+        report += f"\nYour program's own output:\n{graded.run.render(LIMITS)}"
     return report
 
 

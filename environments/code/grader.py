@@ -1,33 +1,29 @@
-"""The grader: a program run on the host in a process of its own, never in the candidate's (`grading.py`).
+"""The verdict: a problem's tests run with `candidate` a proxy for the function in the sandbox.
 
-It runs a problem's tests, HumanEval's own trusted code, in a namespace holding the prompt's
-definitions, with `candidate` (and the entry point's name) bound to a proxy: each call sends
-its arguments to the candidate's process in the sandbox as plain data (fd `argv[1]`) and takes
-back one reply (fd `argv[2]`), from which only a plain value is rebuilt (`plain.py`). Every
-comparison, and so every verdict, happens here. A call that raises in the candidate, returns
-something that is not plain data, or gets no answer (a crash, an exit, the time limit) fails its
-test; a broken channel fails every later call at once. The failure is a `CandidateFailed`, not an
-`Exception`, so a test's own `except Exception` cannot swallow it; a hidden-test verdict also
-counts every failed call, whatever the test did with it.
-
-Input: a JSON spec on stdin, `{"mode": "public" | "hidden", "prompt", "entry_point", "wall_s",
-"tests": [[source, shown], ...] | "test": str}`. Output: one JSON line, `{"lines": [...],
-"passed": n, "total": m}` (public) or `{"passed": bool, "reason": str}` (hidden).
+The tests are HumanEval's own trusted code, run here, in the server's process, which the
+candidate's code never runs in: in a namespace holding the prompt's definitions, with
+`candidate` (and the entry point's name) bound to a `Candidate`. Each call sends its arguments
+to the candidate's process as plain data and takes back one reply, from which only a plain value
+is rebuilt (`plain.py`): every comparison, and so every verdict, happens here. A call that
+raises in the candidate, returns something that is not plain data, or gets no answer (a crash,
+an exit, the time limit) fails its test; a broken channel fails every later call at once. The
+failure is a `CandidateFailed`, not an `Exception`, so a test's own `except Exception` cannot
+swallow it, and a hidden-test verdict also counts every failed call, whatever the test did.
 """
+
+from __future__ import annotations
 
 import ast
 import json
 import os
-import resource
 import select
-import sys
 import time
+from typing import Any
 
-from plain import NotPlain, decode, encode
+from environments.code.plain import NotPlain, decode, encode
 
 MAX_REPLY_BYTES = 1 << 20
 SHOWN_CHARS = 200  # a failed public test shows the value it got, cut to this
-OWN_LIMITS = {resource.RLIMIT_CPU: 60, resource.RLIMIT_AS: 2 << 30}  # the tests are trusted, but not cheap
 
 
 class CandidateFailed(BaseException):
@@ -35,7 +31,7 @@ class CandidateFailed(BaseException):
 
 
 class Candidate:
-    """The proxy a test calls as `candidate`: one request and one reply line per call."""
+    """The proxy a test calls as `candidate`: one request line out, one reply line in, per call."""
 
     def __init__(self, calls_fd: int, replies_fd: int, deadline: float):
         self.calls_fd, self.replies_fd, self.deadline = calls_fd, replies_fd, deadline
@@ -44,12 +40,11 @@ class Candidate:
         self.broken = ""  # why the channel is no longer usable
         self.failures = 0
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.broken:
                 raise CandidateFailed(self.broken)
-            request = json.dumps({"args": encode(list(args)), "kwargs": encode(kwargs)}).encode() + b"\n"
-            reply = self._exchange(request)
+            reply = self._exchange(json.dumps({"args": encode(list(args)), "kwargs": encode(kwargs)}).encode() + b"\n")
             if "value" in reply:
                 try:
                     return decode(reply["value"])
@@ -69,10 +64,10 @@ class Candidate:
     def _wait(self, fd: int, writing: bool) -> None:
         left = self.deadline - time.monotonic()
         ready = left > 0 and select.select([] if writing else [fd], [fd] if writing else [], [], left)
-        if not ready or not (ready[1] if writing else ready[0]):
+        if not ready or not any(ready):
             raise self._broken("gave no answer within the time limit")
 
-    def _exchange(self, request: bytes) -> dict:
+    def _exchange(self, request: bytes) -> dict[str, Any]:
         view = memoryview(request)
         try:
             while view:
@@ -95,29 +90,39 @@ class Candidate:
         try:
             reply = json.loads(line)
         except (ValueError, RecursionError):
-            raise self._broken("answered with something that is not a reply") from None
+            reply = None
         if type(reply) is not dict:
             raise self._broken("answered with something that is not a reply")
         return reply
 
 
-def _evaluate(node: ast.expr, scope: dict):
-    return eval(compile(ast.fix_missing_locations(ast.Expression(node)), "public_tests.py", "eval"), scope)
+def scope(prompt: str, entry_point: str, candidate: Candidate) -> dict[str, Any]:
+    """The prompt's definitions (imports, helpers), with the entry point and `candidate` the proxy."""
+    names: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(prompt, "prompt.py", "exec"), names)
+    names[entry_point] = names["candidate"] = candidate
+    return names
 
 
-def public(spec: dict, scope: dict) -> dict:
-    """Each public test (an `assert`): passed, FAILED with the value its left side got, or ERROR."""
+def _evaluate(node: ast.expr, names: dict[str, Any]) -> Any:
+    return eval(compile(ast.fix_missing_locations(ast.Expression(node)), "public_tests.py", "eval"), names)
+
+
+def public(tests: list[tuple[str, str]], names: dict[str, Any]) -> tuple[list[str], int]:
+    """(source, shown) asserts -> a line each (passed, FAILED with the value its left side got, or
+    ERROR) and how many passed."""
     lines, passed = [], 0
-    for source, shown in spec["tests"]:
+    for source, shown in tests:
         test = ast.parse(source).body[0].test
+        compared = isinstance(test, ast.Compare)
         got = None
         try:
-            if isinstance(test, ast.Compare):  # the left side once, then the comparison with its value
-                got = _evaluate(test.left, scope)
+            if compared:  # the left side once, then the comparison with its value
+                got = _evaluate(test.left, names)
                 ok = _evaluate(ast.Compare(ast.Name("__got__", ast.Load()), test.ops, test.comparators),
-                               {**scope, "__got__": got})
+                               {**names, "__got__": got})
             else:
-                ok = _evaluate(test, scope)
+                ok = _evaluate(test, names)
         except CandidateFailed as e:
             lines.append(f"ERROR: {shown}: the function {e}")
             continue
@@ -128,35 +133,18 @@ def public(spec: dict, scope: dict) -> dict:
             passed += 1
             lines.append(f"passed: {shown}")
         else:
-            lines.append(f"FAILED: {shown}" + (f" (got {repr(got)[:SHOWN_CHARS]})" if isinstance(test, ast.Compare) else ""))
-    return {"lines": lines, "passed": passed, "total": len(spec["tests"])}
+            lines.append(f"FAILED: {shown}" + (f" (got {repr(got)[:SHOWN_CHARS]})" if compared else ""))
+    return lines, passed
 
 
-def hidden(spec: dict, scope: dict, candidate: Candidate) -> dict:
-    """HumanEval's whole `check(candidate)`: passed only if it returns and no call of the candidate failed."""
-    exec(compile(spec["test"], "hidden_tests.py", "exec"), scope)
+def hidden(test: str, names: dict[str, Any], candidate: Candidate) -> str:
+    """HumanEval's whole `check(candidate)`: "" when it returns and no call of the candidate
+    failed, else why it did not pass."""
+    exec(compile(test, "hidden_tests.py", "exec"), names)
     try:
-        scope["check"](candidate)
+        names["check"](candidate)
     except CandidateFailed as e:
-        return {"passed": False, "reason": f"the function {e}"}
+        return f"the function {e}"
     except Exception as e:
-        return {"passed": False, "reason": f"a test failed ({type(e).__name__})"}
-    if candidate.failures:
-        return {"passed": False, "reason": f"{candidate.failures} calls of the function failed"}
-    return {"passed": True, "reason": ""}
-
-
-def main() -> None:
-    for limit, value in OWN_LIMITS.items():
-        resource.setrlimit(limit, (value, value))
-    spec = json.loads(sys.stdin.read())
-    candidate = Candidate(int(sys.argv[1]), int(sys.argv[2]), time.monotonic() + spec["wall_s"])
-    scope = {"__name__": "__main__"}
-    exec(compile(spec["prompt"], "prompt.py", "exec"), scope)
-    scope[spec["entry_point"]] = candidate
-    scope["candidate"] = candidate
-    verdict = public(spec, scope) if spec["mode"] == "public" else hidden(spec, scope, candidate)
-    print(json.dumps(verdict), flush=True)
-
-
-main()
+        return f"a test failed ({type(e).__name__})"
+    return f"{candidate.failures} calls of the function failed" if candidate.failures else ""

@@ -12,7 +12,6 @@ its traceback (from its own frames on) and ends the program, so the grader's cal
 import json
 import os
 import sys
-import traceback
 
 from plain import NotPlain, decode, encode
 
@@ -25,6 +24,7 @@ try:
     with open(SOLUTION) as f:  # noqa: F821
         exec(compile(f.read(), SOLUTION, "exec"), namespace)  # noqa: F821
 except BaseException as e:
+    import traceback  # only here: it costs milliseconds on every run
     traceback.print_exception(type(e), e, e.__traceback__.tb_next)
     sys.exit(1)
 function = namespace.get(ENTRY_POINT)  # noqa: F821

@@ -7,12 +7,11 @@ controllers, the groups are `<parent>/agentgym-<server pid>/sandbox-<hex>`; with
 (memory and pids writable: root on these machines), one `agentgym-<server pid>/sandbox-<hex>`
 below the server's own group in each of the memory, pids and (where mounted) cpu hierarchies.
 
-The host opens each group's `cgroup.procs` and hands the open files to the sandbox's process 1,
-whose commands write 0 to them (join) before they execute; process 1 itself stays outside, so
-an out-of-memory kill in the group never picks it. `plan()` says once per process how groups
-are made, or why they cannot be; then sandboxes fall back to per-process rlimits sized to the
-session's budget (`Limits.per_process`). Groups a killed server left are removed by the next
-server that plans groups in the same place.
+The host moves the sandbox's process 1 into its group before the first command, so every
+command is born there (moving a process between cgroups costs milliseconds; forking into one,
+nothing). `plan()` says once per process how groups are made, or why they cannot be; then
+sandboxes fall back to per-process rlimits sized to the session's budget (`Limits.per_process`).
+Groups a killed server left are removed by the next server that plans groups in the same place.
 """
 
 from __future__ import annotations
@@ -199,9 +198,10 @@ class Group:
             self.remove()
             raise
 
-    def open_procs(self) -> list[int]:
-        """Write-only fds of each directory's `cgroup.procs` (writing 0 to one joins the writer)."""
-        return [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC) for d in self.directories]
+    def add(self, pid: int) -> None:
+        """Moves process `pid` into the group; its children are born there."""
+        for directory in self.directories:
+            _write(directory, "cgroup.procs", pid)
 
     def remove(self) -> None:
         """Removes the directories once their processes have left (a few ms after a kill)."""
