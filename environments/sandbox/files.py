@@ -1,9 +1,10 @@
 """A sandbox's files, read and written from the host, so that no file an agent made can steer the host.
 
 Every path is walked one component at a time from an open directory (the sandbox's `/work`,
-reached through `/proc/<process 1>/root`), each step `O_NOFOLLOW`: a symbolic link anywhere in
-a path, `..` or an absolute path refuses it, and nothing is read from or written to a file that
-`fstat` does not call regular (a FIFO, a socket, a directory); no open can block (`O_NONBLOCK`).
+reached through `/proc/<process 1>/root`), each step `O_NOFOLLOW`: a symbolic link among the
+folders of a path, `..` or an absolute path refuses it, and nothing is read from or written to a
+file that `fstat` does not call regular (a FIFO, a socket, a directory): a read gives None, a
+write replaces a link, FIFO or socket by a new regular file; no open can block (`O_NONBLOCK`).
 A directory is walked iteratively under caps on depth, entries and bytes: a hostile tree costs
 a bounded amount and is refused past them. Refusals are `FileRefused` with the reason.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import stat
 from typing import Iterable, Iterator, Mapping
@@ -156,14 +158,28 @@ def _file_owner(uid: int, gid: int) -> Iterator[None]:
         _libc.setfsgid(0)
 
 
-def _write_regular(parent: int, name: str, data: bytes, mode: int) -> None:
+def _open_regular(parent: int, name: str, mode: int) -> int:
+    """An fd to write the regular file `name`; a link, FIFO or socket in its place is removed
+    first, never followed or opened for writing (no process of the sandbox runs meanwhile)."""
     try:
         fd = os.open(name, WRITE, mode, dir_fd=parent)
     except OSError as e:
-        raise FileRefused(f"{name} is not a regular file the host may write ({e.strerror})") from None
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO nobody reads, a socket
+            raise
+    else:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FileRefused(f"{name} is not a regular file")
+        os.unlink(name, dir_fd=parent)
+    except IsADirectoryError:
+        raise FileRefused(f"{name} is a directory") from None
+    return os.open(name, WRITE | os.O_EXCL, mode, dir_fd=parent)
+
+
+def _write_regular(parent: int, name: str, data: bytes, mode: int) -> None:
+    fd = _open_regular(parent, name, mode)
+    try:
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
