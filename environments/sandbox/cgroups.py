@@ -7,11 +7,15 @@ controllers, the groups are `<parent>/agentgym-<server pid>/sandbox-<hex>`; with
 (memory and pids writable: root on these machines), one `agentgym-<server pid>/sandbox-<hex>`
 below the server's own group in each of the memory, pids and (where mounted) cpu hierarchies.
 
-The host moves the sandbox's process 1 into its group before the first command, so every
-command is born there (moving a process between cgroups costs milliseconds; forking into one,
-nothing). `plan()` says once per process how groups are made, or why they cannot be; then
-sandboxes fall back to per-process rlimits sized to the session's budget (`Limits.per_process`).
-Groups a killed server left are removed by the next server that plans groups in the same place.
+The host opens the file through which a process joins each of the group's directories and
+hands the open files to the sandbox's process 1, whose commands write 0 to them (join
+themselves) before they execute: process 1 stays outside, so an out-of-memory kill in the group
+never picks it. On v1 that file is `tasks`: a process with one thread moving itself through it
+skips the kernel's global threadgroup lock, which moving a process through `cgroup.procs` takes
+(an RCU grace period that stalls every fork on the machine); v2 has only `cgroup.procs`.
+`plan()` says once per process how groups are made, or why they cannot be; then sandboxes fall
+back to per-process rlimits sized to the session's budget (`Limits.per_process`). Groups a
+killed server left are removed by the next server that plans groups in the same place.
 """
 
 from __future__ import annotations
@@ -182,6 +186,7 @@ class Group:
 
     def __init__(self, plan: Plan, memory_bytes: int, processes: int, cpus: float):
         name = f"sandbox-{secrets.token_hex(6)}"
+        self.version = plan.version
         self.directories: list[str] = []
         try:
             for hierarchy, base in plan.bases.items():
@@ -198,10 +203,10 @@ class Group:
             self.remove()
             raise
 
-    def add(self, pid: int) -> None:
-        """Moves process `pid` into the group; its children are born there."""
-        for directory in self.directories:
-            _write(directory, "cgroup.procs", pid)
+    def join_files(self) -> list[int]:
+        """Write-only fds through which a process joins the group: writing 0 moves the writer."""
+        name = "tasks" if self.version == 1 else "cgroup.procs"
+        return [os.open(os.path.join(d, name), os.O_WRONLY | os.O_CLOEXEC) for d in self.directories]
 
     def remove(self) -> None:
         """Removes the directories once their processes have left (a few ms after a kill)."""

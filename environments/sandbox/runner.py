@@ -15,8 +15,10 @@ Requests and answers are JSON lines over a Unix socket on fd 0:
     {"op": "run", "command": str, "stdin": str, "limits": {...}}  -> a `RunResult` as JSON
 
 File descriptors sent with a request become fds 3, 4, ... of the command (the `code`
-environment's grader talks to the candidate function over them). Commands raise their
-out-of-memory score to the highest, so a kill in the session's cgroup takes them first.
+environment's grader talks to the candidate function over them). Each command joins the
+session's cgroups itself before it executes, by writing 0 to the files the host opened and
+passed down (`cgroups.Group.join_files`), so process 1 stays outside them and no out-of-memory
+kill in the group picks it.
 
 Process 1 never opens a file of the sandbox (the host reads and writes them, `files.py`), so no
 file an agent makes can steer it. It answers every request: an exception is an `{"error"}`
@@ -130,10 +132,12 @@ def signal_name(number):
         return f"SIG{number}"
 
 
-def _child(command, fds, limits):
-    """In the forked child: own session, fds 0, 1, 2, 3..., the limits, the shell."""
+def _child(command, fds, limits, cgroup_fds):
+    """In the forked child: own session, the session's cgroups, fds 0, 1, 2, 3..., the limits, the shell."""
     try:
         os.setsid()
+        for fd in cgroup_fds:
+            os.write(fd, b"0")  # moves this process, which has one thread, into the group
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # an out-of-memory kill takes commands first
         parked = [fcntl.fcntl(fd, fcntl.F_DUPFD, HIGH_FD) for fd in fds]
@@ -157,7 +161,7 @@ def _child(command, fds, limits):
         os._exit(127)
 
 
-def run(request, passed, channel):
+def run(request, passed, channel, cgroup_fds):
     """Runs `bash -c command` in /work with the limits; returns what it printed and how it ended."""
     limits = request["limits"]
     stdin_data = request.get("stdin", "").encode()
@@ -167,7 +171,7 @@ def run(request, passed, channel):
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(request["command"], [stdin_r, out_w, err_w, *passed], limits)
+        _child(request["command"], [stdin_r, out_w, err_w, *passed], limits, cgroup_fds)
     for fd in (stdin_r, out_w, err_w):
         os.close(fd)
     pidfd = os.pidfd_open(pid)
@@ -266,13 +270,13 @@ def requests(channel):
         fds = []
 
 
-def answer(request_line, fds, channel):
+def answer(request_line, fds, channel, cgroup_fds):
     """The answer to one request; every exception but the host's going away becomes `{"error"}`."""
     try:
         request = json.loads(request_line)
         if request.get("op") != "run":
             raise ValueError(f"unknown op {request.get('op')!r}; the runner only runs commands")
-        return run(request, fds, channel.fileno())
+        return run(request, fds, channel.fileno(), cgroup_fds)
     except HostGone:
         raise
     except BaseException as e:
@@ -288,6 +292,10 @@ def main():
     os.umask(0o022)
     config = json.loads(sys.argv[1])
     channel = socket.socket(fileno=0)
+    # the cgroup files move up, out of the way of the fds each command gets
+    cgroup_fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in config["cgroup_fds"]]
+    for fd in config["cgroup_fds"]:
+        os.close(fd)
     try:
         set_up(config)
     except BaseException as e:
@@ -296,7 +304,7 @@ def main():
     channel.sendall(b'{"ready": true}\n')
     try:
         for line, fds in requests(channel):
-            channel.sendall(json.dumps(answer(line, fds, channel)).encode() + b"\n")
+            channel.sendall(json.dumps(answer(line, fds, channel, cgroup_fds)).encode() + b"\n")
     except (HostGone, OSError):
         pass
     # returning ends process 1, and with it every process left in the namespace

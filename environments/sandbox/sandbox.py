@@ -228,35 +228,34 @@ class Sandbox:
         self.cgroup = None
         if isinstance(plan, cgroups.Plan):
             try:
-                self.cgroup = cgroups.Group(plan, limits.session_memory_bytes, limits.processes, limits.cpus)
+                self.cgroup = cgroups.Group(plan, limits.session_memory_bytes, limits.processes - 1, limits.cpus)
             except OSError as e:
                 raise SandboxUnavailable(f"could not make the sandbox's cgroup: {e}") from None
         self.command_limits = limits if self.cgroup else limits.per_process()
+        cgroup_fds = self.cgroup.join_files() if self.cgroup else []
         self._channel, inside = socket.socketpair()
         info_r, info_w = os.pipe()
         runner_r, runner_w = os.pipe()  # the runner's source (well under a pipe's 64 KiB buffer)
         os.write(runner_w, RUNNER)
         os.close(runner_w)
         config = {"mounts": [[path, limits.disk_bytes, limits.inodes, mode] for path, mode in PRIVATE_MOUNTS],
-                  "seccomp": _seccomp_hex()}
+                  "seccomp": _seccomp_hex(), "cgroup_fds": cgroup_fds}
         as_user = dict(user=self.host_uid, group=self.host_gid, extra_groups=[]) if root else {}
         try:
             self._proc = subprocess.Popen(
                 bwrap_command(hidden_paths, info_w, runner_r, config), stdin=inside, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, pass_fds=(info_w, runner_r), cwd="/", start_new_session=True,
+                stderr=subprocess.PIPE, pass_fds=(info_w, runner_r, *cgroup_fds), cwd="/", start_new_session=True,
                 **as_user)
         except OSError:
             self._channel.close()
             self._remove_cgroup()
             raise
         finally:
-            for fd in (info_w, runner_r):
+            for fd in (info_w, runner_r, *cgroup_fds):
                 os.close(fd)
             inside.close()
         try:
             self._pid1 = self._read_info(info_r)
-            if self.cgroup:  # before the first command: every process it starts is born in the group
-                self.cgroup.add(self._pid1)
             ready = self._answer(time.monotonic() + START_TIMEOUT_S)
             self._work = os.open(f"/proc/{self._pid1}/root/work", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except (SandboxError, OSError) as e:
