@@ -9,12 +9,13 @@ import concurrent.futures
 import dataclasses
 import gzip
 import json
+import math
 import random
 
 import pytest
 
 from environments.code import env as code_env
-from environments.code import grading, problems
+from environments.code import grading, plain, problems
 from environments.code.env import MAX_TURNS, CodeEnv
 from environments.sandbox import Sandbox
 from tests.servers import request_json, start_server
@@ -77,6 +78,62 @@ def test_the_canonical_solutions_pass_public_and_hidden_tests_on_every_problem()
     assert [(task_id, hidden.lines) for task_id, _, hidden in graded if hidden.passed != 1] == []
     for task_id, public, _ in graded:
         assert public.passed == len(problems.all_problems()[task_id].public_tests), (task_id, public.lines)
+
+
+def test_a_solution_that_mentions_action_in_its_code_is_not_cut():
+    code = ("def truncate_number(number):\n    note = 'Action: submit'  # text a reply parser must not cut at\n"
+            "    return number % 1.0")
+    action = CodeEnv.parse_action(f"Thought: done.\nAction:\nwrite\n```python\n{code}\n```")
+    env = CodeEnv()
+    env.reset(TRUNCATE)
+    assert env.step(action).observation == "Saved solution.py (3 lines)."
+    result = env.step("submit")
+    env.close()
+    assert result.reward == 1.0
+
+
+PLAIN_VALUES = [None, True, False, 0, -7, 10**40, 0.1, -0.0, float("inf"), float("-inf"), 1e308, "", "é\u2028\ud800",
+                b"\x00\xff", 2 - 3j, [], [1, [2, [3]]], (), (1, "a", (2.5,)), {"a": 1, 2: [3], (1, 2): {"x": None}},
+                {1, 2, 3}, frozenset({"a"}), set(), {"nested": [(1, {2}), {3: (4,)}]}]
+
+
+def _same(a, b) -> bool:
+    """Equal, of exactly the same types all the way down (1 == 1.0 == True is not enough)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and a == 0:
+        return str(a) == str(b)  # -0.0 stays -0.0
+    return a == b
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=repr)
+def test_plain_values_cross_the_boundary_unchanged(value):
+    assert _same(plain.decode(json.loads(json.dumps(plain.encode(value), allow_nan=False))), value)
+
+
+def test_nan_crosses_and_what_is_not_plain_is_refused():
+    assert math.isnan(plain.decode(json.loads(json.dumps(plain.encode(float("nan"))))))
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    class Integer(int):
+        pass
+
+    nested = []
+    for _ in range(plain.MAX_DEPTH + 2):
+        nested = [nested]
+    for value in (Anything(), Integer(3), (x for x in ()), print, [1, Anything()], {"k": Integer(1)}, nested):
+        with pytest.raises(plain.NotPlain):
+            plain.encode(value)
+    for tree in ({"tuple": 1}, {"float": "1.5"}, {"object": []}, {"dict": [[1]]}, {"tuple": [], "set": []}):
+        with pytest.raises(plain.NotPlain):
+            plain.decode(tree)
 
 
 def test_the_canonical_solution_solves_the_problem():

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import logging
 import os
 import pathlib
 import secrets
@@ -24,6 +25,7 @@ import time
 import pytest
 
 from environments.sandbox import Limits, RequestFailed, Sandbox, SandboxError, SandboxUnavailable, cgroups, seccomp
+from environments.sandbox import sandbox as sandbox_module
 from tests.servers import REPO
 
 FAST = Limits(cpu_s=2, wall_s=2, processes=32, output_bytes=4096, disk_bytes=4 << 20)
@@ -280,6 +282,29 @@ def test_hidden_paths_are_covered():
     assert passwd.exit_code != 0 and "root:" not in passwd.stdout  # a hidden file cannot be opened
     share, bins = map(int, listed.stdout.split())
     assert share == 0 and bins > 10  # a hidden directory is empty; the rest is there
+
+
+@pytest.mark.parametrize("memory_mb, processes, budget_mb", [(512, 64, 1024), (1024, 16, 1024), (96, 16, 256), (64, 8, 4096)])
+def test_without_a_cgroup_processes_times_memory_fits_the_session_budget(memory_mb, processes, budget_mb):
+    limits = Limits(memory_bytes=memory_mb << 20, processes=processes, session_memory_bytes=budget_mb << 20)
+    fallback = limits.per_process()
+    assert fallback.processes * fallback.memory_bytes <= limits.session_memory_bytes
+    assert fallback.memory_bytes <= limits.memory_bytes and 2 <= fallback.processes <= limits.processes
+    assert fallback.memory_bytes >= min(limits.memory_bytes, 64 << 20)  # enough for python3
+
+
+def test_the_server_says_once_how_sessions_are_held(monkeypatch, caplog):
+    monkeypatch.setattr(cgroups, "plan", lambda: "cgroup v1: cannot make cgroups in /x: Permission denied")
+    sandbox_module.announce.cache_clear()
+    limits = Limits(memory_bytes=512 << 20, processes=64, session_memory_bytes=1 << 30)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            sandbox_module.announce(limits)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sandbox: no cgroup per sandbox (cgroup v1: cannot make cgroups in /x: Permission denied); per-process "
+        "limits instead: 16 processes x 64 MiB; " + ("a seccomp filter" if seccomp.program() else
+                                                      f"no seccomp filter (no syscall table for {os.uname().machine})")]
+    sandbox_module.announce.cache_clear()
 
 
 def test_a_missing_bwrap_is_a_clear_error(monkeypatch):
