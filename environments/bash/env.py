@@ -134,7 +134,7 @@ class BashEnv(SandboxEnv):
                 got = self.sandbox.read([task.check_root])
                 return got.keys() == task.expected.keys() and all(_same_text(got[p], t) for p, t in task.expected.items())
             self.sandbox.write(task.check_files)
-        except RequestFailed:  # a tree past the read caps; no room, a link or a FIFO where the new data goes
+        except RequestFailed:  # a tree past the read caps; no room, or a folder, where the new data goes
             return False
         run = self.sandbox.run(task.check_command)
         return run.exit_code == 0 and run.stdout.strip() == task.expected_output.strip()

@@ -98,7 +98,7 @@ class CodeEnv(SandboxEnv):
                 return self.go_on(INVALID, invalid=True)
             try:
                 self.sandbox.write({problems.SOLUTION_FILE: code + "\n"})
-            except RequestFailed as e:  # e.g. an earlier program filled the disk or left a link there
+            except RequestFailed as e:  # e.g. an earlier program filled the disk, or left a folder there
                 self.solution, self.tested = None, False
                 return self.go_on(f"Could not save solution.py ({e.reason}).", invalid=False)
             self.solution, self.tested = code, False

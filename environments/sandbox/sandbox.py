@@ -225,14 +225,17 @@ class Sandbox:
         self.host_uid = HOST_UIDS[0] + secrets.randbelow(HOST_UIDS[1] - HOST_UIDS[0]) if root else os.geteuid()
         self.host_gid = self.host_uid if root else os.getegid()
         plan = cgroups.plan()
-        self.cgroup = None
-        if isinstance(plan, cgroups.Plan):
+        self.cgroup: cgroups.Group | None = None
+        cgroup_fds: list[int] = []
+        if isinstance(plan, cgroups.Plan):  # processes - 1: process 1 stays outside the group
             try:
                 self.cgroup = cgroups.Group(plan, limits.session_memory_bytes, limits.processes - 1, limits.cpus)
+                cgroup_fds = self.cgroup.join_files()
             except OSError as e:
+                if self.cgroup:
+                    self.cgroup.remove()
                 raise SandboxUnavailable(f"could not make the sandbox's cgroup: {e}") from None
         self.command_limits = limits if self.cgroup else limits.per_process()
-        cgroup_fds = self.cgroup.join_files() if self.cgroup else []
         self._channel, inside = socket.socketpair()
         info_r, info_w = os.pipe()
         runner_r, runner_w = os.pipe()  # the runner's source (well under a pipe's 64 KiB buffer)
@@ -248,7 +251,8 @@ class Sandbox:
                 **as_user)
         except OSError:
             self._channel.close()
-            self._remove_cgroup()
+            if self.cgroup:
+                self.cgroup.remove()
             raise
         finally:
             for fd in (info_w, runner_r, *cgroup_fds):
@@ -386,10 +390,7 @@ class Sandbox:
             self._proc.kill()
             self._proc.wait()
         self._proc.stderr.close()
-        self._remove_cgroup()
-
-    def _remove_cgroup(self) -> None:
-        if self.cgroup is not None:
+        if self.cgroup:
             self.cgroup.remove()
 
     def __enter__(self) -> Sandbox:
