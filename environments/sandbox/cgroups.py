@@ -191,7 +191,7 @@ class Group:
         try:
             for hierarchy, base in plan.bases.items():
                 directory = os.path.join(base, name)
-                os.mkdir(directory)
+                os.makedirs(directory)  # the base too, should another server's sweep have taken it empty
                 self.directories.append(directory)
                 for file, value, required in _settings(plan.version, hierarchy, memory_bytes, processes, cpus):
                     try:
