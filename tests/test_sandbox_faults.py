@@ -7,7 +7,8 @@ long-named files before `submit`, a FIFO or a link to process 1's own channel wh
 writes, a killed process 1. Before issue 45 these were HTTP 500s (`infra_error`, which RL drops
 and evaluation retries), a runner blocked for 10 s, or, under an unprivileged server, the
 agent's file read by process 1 as its next request. A flood of a million files meanwhile is
-stopped by the inode caps while `/health` keeps answering.
+stopped by the inode caps while `/health` keeps answering, and the escape attempts of
+`tests/test_sandbox.py` that matter most fail through both servers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import pathlib
 import secrets
 import signal
+import socket
 
 import pytest
 
@@ -129,3 +131,34 @@ def test_a_million_file_flood_is_stopped_while_health_answers(urls):
     done = request_json(url, "POST", "/step", {"id": session, "action": "submit"})[1]
     assert done["done"] and done["reward"] == 0 and done["info"]["success"] is False
     request_json(url, "POST", "/close", {"id": session})
+
+
+def test_escapes_fail_through_the_server(urls):
+    """The sandbox's walls hold the same under a root and an unprivileged server: no host file
+    written, no connection to the host, process 1's fds and memory out of reach, no mount, no
+    new user namespace, no tracing."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    token = secrets.token_hex(6)
+    probes = {
+        "host file": f"echo {token} > /tmp/{token}; echo {token} > /etc/{token} || true",
+        "host network": f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), timeout=1)'",
+        "process 1's channel": "echo '{\"op\": \"run\"}' > /proc/1/fd/0",
+        "process 1's memory": "head -c 16 /proc/1/mem",
+        "process 1's root": "ls /proc/1/root/",
+        "a mount": "mount -t tmpfs none /work",
+        "a user namespace": "unshare -Ur true",
+        "tracing": "python3 -c 'import ctypes; assert ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0'",
+    }
+    session = request_json(urls["bash"], "POST", "/create", {})[1]["id"]
+    assert request_json(urls["bash"], "POST", "/reset", {"id": session, "data_idx": QUESTION})[0] == 200
+    for name, command in probes.items():
+        status, result = request_json(urls["bash"], "POST", "/step", {"id": session, "action": f"{command} && echo ESCAPED"})
+        assert status == 200, (name, result)
+        assert "ESCAPED" not in result["observation"] or name == "host file", (name, result)  # /tmp is private
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing reached the host's listener
+        listener.accept()
+    listener.close()
+    assert not os.path.exists(f"/tmp/{token}") and not os.path.exists(f"/etc/{token}")
+    request_json(urls["bash"], "POST", "/close", {"id": session})
