@@ -412,7 +412,7 @@ class DPOBatch:
     chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
     rejected_ref_logprobs: jax.Array  # [pairs, seq]
     layout: PackedRows | None = None  # each pair's two rows (chosen, rejected) packed as one prefix tree
-    rows_are_units = False  # `microbatch.to_units`: every leaf is per pair already
+    rows_are_units = True  # a class attribute, not a field: every leaf is per pair already (`microbatch.to_units`)
 
     # What the micro-batched update reads of a batch, per pair: the tokens a pair trains (the
     # chosen row's, where both rows have one: `rl.dpo.dpo_loss`'s valid pairs) and its length.
@@ -428,9 +428,6 @@ class DPOBatch:
     @property
     def tokens(self) -> jax.Array:
         return self.chosen.tokens
-
-
-DPOBatch.rows_are_units = True
 
 
 def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward,
