@@ -20,12 +20,7 @@ from tests.updates import update as make_update
 CONFIG = make_update(MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def states():

@@ -45,12 +45,7 @@ TX = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_lik
                                   update=lambda grads, state, params=None: (jax.tree.map(jnp.negative, grads), grads))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def group_rows(groups: int = 4, size: int = 4, seed: int = 0, shared: bool = True) -> TokenBatch:
