@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -33,6 +34,9 @@ import numpy as np
 
 from agentgym_jax.rollout.stream import PolicyWeights, StreamTimes
 from agentgym_jax.sampling.sampler import Sampler, StopReason, Turn
+
+
+_RUNNING = threading.local()  # (batcher, label) of the sampler call a worker thread is making
 
 
 class ContextTooLong(ValueError):
@@ -90,7 +94,6 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: Exception | None = None
         self.rebuilds = 0  # rows filled with a conversation's whole history (it had lost its row)
-        self.label = ""  # what the sampler is running now (`gateway/compiles.py` names compilations by it)
 
     def publish(self, params: Any, version: int) -> None:
         """(any thread) New weights for every later fill and decode chunk, turns in flight included."""
@@ -128,6 +131,9 @@ class Batcher:
         (after `warmup(self)`, which may compile the shapes to come)."""
         self._loop = asyncio.get_running_loop()
         try:
+            while self.weights.newest()[1] is None:  # an RL job's gateway, before its first weights
+                await self.wake.wait()
+                self.wake.clear()
             await self._take_newest()
             self.state = await asyncio.to_thread(self.sampler.init_slots, self.params, self.num_rows)
             batch = self.state.live.shape[0]
@@ -160,12 +166,25 @@ class Batcher:
             self.version = version
 
     async def call(self, label: str, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)` on a worker thread, its time counted busy, `label` naming it meanwhile."""
-        start, self.label = time.monotonic(), label
+        """`fn(*args)` on a worker thread, its time counted busy; `running()` names it there."""
+        start = time.monotonic()
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(self._labelled, label, fn, *args)
         finally:
             self.times.busy_s += time.monotonic() - start
+
+    def _labelled(self, label: str, fn: Callable, *args: Any) -> Any:
+        _RUNNING.call = (self, label)
+        try:
+            return fn(*args)
+        finally:
+            _RUNNING.call = None
+
+    def running(self) -> str:
+        """(on any thread) What this batcher runs on the current thread ("" for anything else):
+        how a compilation is named in the gateway's log."""
+        call = getattr(_RUNNING, "call", None)
+        return call[1] if call is not None and call[0] is self else ""
 
     def _admit(self) -> list[_Request]:
         """Waiting requests that get a row now: their own, a free one, or an idle conversation's."""

@@ -101,6 +101,7 @@ class Gateway:
         warmup_tokens: int = 0,
         write_unrewarded: bool = False,
         times: StreamTimes | None = None,
+        log_requests: bool = True,
     ):
         """`weights`: the params, or a `PolicyWeights` whose newest weights (and version) every
         turn samples with; `warmup_tokens`: first prompts up to this long are compiled at start-up."""
@@ -114,7 +115,7 @@ class Gateway:
         self.table = ConversationTable()
         self.path = pathlib.Path(out_dir) / TRAJECTORIES_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.write_unrewarded = write_unrewarded
+        self.write_unrewarded, self.log_requests = write_unrewarded, log_requests
         self.in_flight = self.recorded = 0
         self.episodes: dict[str, EpisodeRecord] = {}  # open agent episodes by their API key
         self.warmup = warmup_lengths(sampler, warmup_tokens)
@@ -273,8 +274,9 @@ class Gateway:
             token_logprobs = [{"token": tokenizer.decode([int(t)]), "logprob": float(lp), "top_logprobs": [],
                                "bytes": list(tokenizer.decode([int(t)]).encode())}
                               for t, lp in zip(sampled.ids[:shown], sampled.logprobs[:shown])]
-        logging.info("%s turn %d: %d ids appended, %d sampled (version %d), %.0f ms", conversation.id, turn,
-                     len(appended), len(sampled.ids), int(sampled.versions[-1]), 1000 * (time.monotonic() - start))
+        if self.log_requests:
+            logging.info("%s turn %d: %d ids appended, %d sampled (version %d), %.0f ms", conversation.id, turn,
+                         len(appended), len(sampled.ids), int(sampled.versions[-1]), 1000 * (time.monotonic() - start))
         return oa.completion(
             self.model_name, message, oa.finish_reason(message, sampled.stop), conversation_id=conversation.id,
             turn=turn, prompt_ids=appended, completion_ids=sampled.ids, completion_logprobs=sampled.logprobs,
@@ -298,8 +300,8 @@ class Gateway:
 
     def _log_compile(self, event: str, duration: float, **kwargs: Any) -> None:
         """Logs each compilation the gateway's sampler makes (a new shape: seconds of waiting)."""
-        if event == _COMPILE_EVENT and duration >= 0.5 and self.batcher.label:
-            logging.info("compiled %s for the %s in %.1f s", kwargs.get("fun_name", "a function"), self.batcher.label, duration)
+        if event == _COMPILE_EVENT and (label := self.batcher.running()):
+            logging.info("compiled %s for the %s in %.1f s", kwargs.get("fun_name", "a function"), label, duration)
 
     async def _start_tasks(self, app: web.Application) -> None:
         jax.monitoring.register_event_duration_secs_listener(self._log_compile)
