@@ -7,11 +7,14 @@ reward; with `record_dir` it also writes what every answer's `agentgym` field re
 the gateway sampled, their log-probs) to `<record_dir>/<api_key>.json`. The others misbehave
 on purpose: `raising`, `hanging`, `lying` (an answer in `LIES`, picked by the task), `restarting`
 (sends its history back changed once, which starts a new conversation), and `waits_for_update`
-(after its first turn, waits for the gateway to serve newer weights: a swap mid-conversation).
+(after its first turn, waits for the gateway to serve newer weights: a swap mid-conversation);
+`mixed` plays with the first two episodes of a group and misbehaves with the third (by task id:
+raises, lies, or restarts); `sleeps` talks to no one.
 """
 
 import json
 import os
+import signal
 import time
 import urllib.request
 
@@ -33,7 +36,10 @@ def _version(base_url: str) -> int:
 
 
 def play(task, base_url, api_key, env_url, horizon, model="policy", record_dir="", change_history=False,
-         wait_for_update_s=0.0, **kwargs):
+         wait_for_update_s=0.0, kill_once_after="", marker="", **kwargs):
+    if kill_once_after and os.path.isdir(kill_once_after) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a thread agent: the job's own process, killed mid-step
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     session = _call(f"{env_url}/create", {})["id"]
     reset = _call(f"{env_url}/reset", {"id": session, "data_idx": task})
@@ -84,3 +90,16 @@ def lying(task, base_url, api_key, model="policy", **kwargs):
 
 def restarting(task, base_url, api_key, env_url, horizon, **kwargs):
     return play(task, base_url, api_key, env_url, max(horizon, 2), change_history=True, **kwargs)
+
+
+def mixed(task, base_url, api_key, sample_idx, **kwargs):
+    if sample_idx < 2:
+        return play(task, base_url, api_key, **kwargs)
+    kwargs.pop("record_dir", None)
+    misbehave = [raising, lambda *a, **k: (lying(*a, **k), "high")[1], restarting][task % 3]
+    return misbehave(task, base_url, api_key, **kwargs)
+
+
+def sleeps(task, base_url, api_key, seconds=0.0, **kwargs):
+    time.sleep(seconds)
+    return 0.25 if task == 3 else 0.0

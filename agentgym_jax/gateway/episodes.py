@@ -126,6 +126,7 @@ def episode_gateway(sampler: Sampler, framing: ChatFraming, weights: Any, out_di
 
 
 def _append(path: pathlib.Path, episodes: Sequence[AgentEpisode]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(e.summary(), ensure_ascii=False) + "\n" for e in episodes)
 
@@ -133,21 +134,22 @@ def _append(path: pathlib.Path, episodes: Sequence[AgentEpisode]) -> None:
 @dataclasses.dataclass
 class AgentPolicy:
     """An evaluation's policy (`rollout/collect.Policy`): each episode the agent program, playing
-    through an in-process gateway over `sampler` with `params` (one gateway per batch)."""
+    through an in-process gateway over `sampler` with `params` (one gateway per batch); the
+    episodes' summaries appended to `episodes_path`."""
 
     spec: AgentSpec
     sampler: Sampler
     framing: ChatFraming
     params: Any
     rollout: RolloutConfig
-    out_dir: pathlib.Path
+    episodes_path: pathlib.Path
     seed: int = 0
 
     async def play(self, pool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array,
                    on_progress: Callable[[int], None] | None = None) -> list[Trajectory]:
         del rng  # the gateway draws with its own key, folded per conversation
-        gateway = episode_gateway(self.sampler, self.framing, self.params, self.out_dir, self.rollout, len(task_ids),
-                                  self.spec, self.seed)
+        gateway = episode_gateway(self.sampler, self.framing, self.params, self.episodes_path.parent, self.rollout,
+                                  len(task_ids), self.spec, self.seed)
         finished = 0
 
         async def one(i: int, task: int) -> AgentEpisode:
@@ -162,7 +164,7 @@ class AgentPolicy:
 
         async with serve_local(gateway) as base_url:
             episodes = await asyncio.gather(*(one(i, int(task)) for i, task in enumerate(task_ids)))
-        await asyncio.to_thread(_append, self.out_dir / EPISODES_NAME, episodes)
+        await asyncio.to_thread(_append, self.episodes_path, episodes)
         return [e.record for e in episodes]
 
 
@@ -272,4 +274,4 @@ def agent_streams(config: ml_collections.ConfigDict, job: setup.Job, model: Mode
 
 def agent_policy(config: ml_collections.ConfigDict, spec: AgentSpec, out_dir: pathlib.Path) -> Callable[..., AgentPolicy]:
     """`AgentPolicy` of (sampler, framing, params, rollout): what `job/play.HeldOut` plays with."""
-    return functools.partial(AgentPolicy, spec, out_dir=out_dir, seed=config.seed)
+    return functools.partial(AgentPolicy, spec, episodes_path=setup.process_file(out_dir, EPISODES_NAME), seed=config.seed)

@@ -1,0 +1,242 @@
+"""Online RL over an agent program (`env.agent`, docs/agents.md): the agent plays each episode
+through the job's in-process gateway, which serves the newest weights.
+
+The agents (tests/agent_programs.py) are written with the `openai` package alone and play real
+room servers on 127.0.0.1; the policy is the quickstart's tiny random decoder. The jobs run
+in-process (`rl_loop.run`), except the one killed and resumed and the one on two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import ml_collections
+import pytest
+
+from agentgym_jax.aio import run_sync
+from agentgym_jax.config import ConfigError
+from agentgym_jax.envs.protocol import EpisodeStatus
+from agentgym_jax.eval import runner
+from agentgym_jax.gateway.agents import AgentSpec, read_answer, run_agent
+from agentgym_jax.rollout.trajectory import read_jsonl
+from agentgym_jax.train import rl_loop
+from agentgym_jax.train.metrics import read_metrics
+from configs import eval as eval_config
+from configs import quickstart
+from tests.agent_programs import LIES
+from tests.rl_runs import REPO, TINY_RL_JOB, launch_command
+from tests.test_multihost import Processes
+
+AGENT = "tests.agent_programs:play"
+
+
+def agent_job(workdir: pathlib.Path, **overrides) -> ml_collections.ConfigDict:
+    """The tiny RL job of tests/rl_runs.py with an agent program as its environment."""
+    config = quickstart.get_config()
+    settings = {**TINY_RL_JOB, "workdir": str(workdir), "train.steps": 2, "train.checkpoint_every": 1,
+                "horizon_schedule.steps_per_stage": 1, "sft.epochs": 1, "env.agent": AGENT,
+                "env.agent_timeout_s": 120.0, **overrides}
+    for key, value in settings.items():
+        *sections, name = key.split(".")
+        section = config
+        for s in sections:
+            section = section[s]
+        section[name] = eval(value) if isinstance(value, str) and value.startswith("(") else value  # noqa: S307
+    return config
+
+
+def by_step(workdir: pathlib.Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(str(workdir / "metrics.jsonl"))}
+
+
+def test_answers_are_read_as_documented_and_every_other_answer_is_an_infra_error():
+    read = lambda answer: read_answer(answer, (-1.0, 1.0), success_threshold=1.0)  # noqa: E731
+    assert read(1.0).status is EpisodeStatus.SUCCESS and read(0.5).status is EpisodeStatus.FAILURE
+    assert read({"reward": 0.5, "success": True}).status is EpisodeStatus.SUCCESS
+    assert read({"reward": 0.0, "status": "max_turns", "metadata": {"turns": 3}}) == read_answer(
+        {"reward": 0, "status": "max_turns", "metadata": {"turns": 3}}, (-1, 1), 1.0)
+    for lie, words in zip(LIES, ["outside env.agent_reward_range", "finite number", "success must be true or false",
+                                 "finite number", "unknown fields", "finite number"]):
+        outcome = read(lie)
+        assert outcome.status is EpisodeStatus.INFRA_ERROR and words in outcome.error and outcome.reward == 0.0, lie
+    assert "with status" in read({"reward": 1.0, "success": False, "status": "success"}).error
+    assert "not one of" in read({"reward": 1.0, "status": "won"}).error
+
+
+def test_bad_agent_settings_are_one_line_config_errors():
+    env = quickstart.get_config().env
+    for key, value, words in [("agent", "tests.agent_programs:nothing_here", "has no attribute 'nothing_here'"),
+                              ("agent", "no_such_module_x:play", "No module named"),
+                              ("agent_workers", "fibers", "threads, processes"),
+                              ("agent_kwargs", "[1]", "JSON object"), ("agent_reward_range", (1.0, 0.0), "low < high")]:
+        bad = ml_collections.ConfigDict({**env.to_dict(), "agent": AGENT, key: value})
+        with pytest.raises(ConfigError, match=words):
+            AgentSpec.of(bad)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_hanging_or_raising_agent_ends_infra_error_on_threads_and_in_processes(workers):
+    """A hung agent is given up after `agent_timeout_s` (a process agent is killed, with its
+    children); an agent that raises or exits non-zero ends its episode, not the caller."""
+    def run(target, timeout=60.0, **kwargs):
+        spec = AgentSpec(target, workers, timeout, {"model": "policy"})
+        return run_sync(run_agent(spec, 3, "http://127.0.0.1:9/v1", "key", kwargs, 1.0))
+
+    start = time.monotonic()
+    hung = run("tests.agent_programs:sleeps", timeout=1.0, seconds=3600)
+    assert hung.status is EpisodeStatus.INFRA_ERROR and "did not return within env.agent_timeout_s=1 s" in hung.error
+    assert time.monotonic() - start < 30
+    raised = run("tests.agent_programs:raising")  # its first request fails: nothing listens on port 9
+    assert raised.status is EpisodeStatus.INFRA_ERROR and "APIConnectionError" in raised.error
+    assert run("tests.agent_programs:sleeps", seconds=0).reward == 0.25  # the task id and kwargs arrive
+    if workers == "processes":  # a command line, its answer on the last line
+        command = f"{sys.executable} -c \"import sys; print('noise'); print(0.75 if '--task=3' in sys.argv else 0)\""
+        assert run(command).reward == 0.75
+        assert "exited 3" in run(f"{sys.executable} -c \"import sys; sys.exit(3)\"").error
+
+
+@pytest.fixture(scope="module")
+def online_job(tmp_path_factory):
+    """A synchronous online job (max_staleness 0): 2 steps of 2 tasks x 3 episodes; the third
+    episode of each group misbehaves (`tests/agent_programs.mixed`: raises, lies, restarts its
+    conversation); the others record what the gateway told them."""
+    root = tmp_path_factory.mktemp("online")
+    records = root / "records"
+    records.mkdir()
+    config = agent_job(root / "job", **{
+        "env.agent": "tests.agent_programs:mixed", "rollout.group_size": 3, "env.agent_conversations": 2,
+        "env.agent_kwargs": json.dumps({"record_dir": str(records)})})
+    summary = rl_loop.run(config)
+    return root / "job", records, summary
+
+
+def test_the_online_job_trains_on_exactly_what_the_gateway_sampled(online_job):
+    workdir, records, summary = online_job
+    assert set(summary) >= {"success_before", "success_after"}
+    told = [json.loads(p.read_text()) for p in records.glob("*.json")]
+    sent = {}
+    for record in told:  # every conversation the agents were answered in, as the ids they were told
+        ids, mask, logprobs = [], [], []
+        for turn in record["turns"]:
+            ids += turn["prompt_token_ids"] + turn["completion_token_ids"]
+            mask += [0] * len(turn["prompt_token_ids"]) + [1] * len(turn["completion_token_ids"])
+            logprobs += [0.0] * len(turn["prompt_token_ids"]) + turn["completion_logprobs"]
+        sent[tuple(ids)] = (mask, logprobs)
+    trained = [t for t in read_jsonl(str(workdir / "trajectories.jsonl")) if t.status.is_scored and t.token_ids]
+    played = [t for t in trained if t.sample_idx < 2]
+    assert len(played) == 2 * 2 * 2  # steps x tasks x well-behaved episodes
+    for t in played:
+        mask, logprobs = sent[tuple(t.token_ids)]
+        assert t.loss_mask == mask and t.logprobs == logprobs  # token for token, log-prob for log-prob
+        assert {v for v in t.token_versions if v >= 0} == {t.train_step} == {t.policy_version}
+    metrics = by_step(workdir)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():  # the trainer recomputes the sampler's log-probs at the version that sampled them
+        assert m["logprob_gap"] < 1e-5 and m["staleness_max"] == 0
+
+
+def test_misbehaving_agents_end_as_documented_and_the_job_goes_on(online_job):
+    workdir, _, _ = online_job
+    episodes = [json.loads(line) for line in (workdir / "agent_episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 * 2 * 3
+    odd = sorted((e["status"], e["error"].split(":")[0], e["conversations"], e["restarts"], e["dropped"])
+                 for e in episodes if e["sample_idx"] == 2)
+    kinds = {e[1] for e in odd}
+    assert kinds <= {"the agent raised ValueError", "the agent's reward must be a finite number, got 'high'", ""}
+    for status, error, conversations, restarts, dropped in odd:
+        if error == "the agent raised ValueError" or error.startswith("the agent's reward"):
+            assert status == "infra_error" and conversations == 1 and restarts == 0
+        else:  # restarted: its changed history began a second conversation, both trained (agent_conversations=2)
+            assert (conversations, restarts, dropped) == (2, 1, 0)
+    trajectories = list(read_jsonl(str(workdir / "trajectories.jsonl")))
+    restarted = [t for t in trajectories if t.sample_idx == 2 and t.status.is_scored]
+    assert restarted and all(t.token_ids for t in restarted)
+    assert {t.status for t in trajectories if t.sample_idx == 2} - {EpisodeStatus.INFRA_ERROR} <= {
+        EpisodeStatus.SUCCESS, EpisodeStatus.FAILURE}
+    metrics = by_step(workdir)
+    assert sum(m["status/infra_error"] for m in metrics.values()) == sum(e[0] == "infra_error" for e in odd) > 0
+
+
+def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online_job, tmp_path):
+    workdir, _, _ = online_job
+    config = eval_config.get_config()
+    config.policy, config.envs, config.task_ids, config.group_size = f"checkpoint:{workdir}", "room", "2", 2
+    config.temperature, config.horizon, config.out_dir = 1.0, 2, str(tmp_path)
+    config.rollout.max_tokens_per_turn, config.rollout.max_cache_len = 8, 512
+    config.env.agent = AGENT
+    summary = runner.run(config)
+    assert summary.overall.scheduled == 4
+    written = json.loads((tmp_path / "summary.json").read_text())["overall"]
+    assert written["scheduled"] == 4 and math.isclose(written["success"], summary.overall.success.value)
+    records = list(read_jsonl(str(tmp_path / "trajectories.jsonl")))
+    assert sorted((t.task_id, t.sample_idx) for t in records) == sorted((t, s) for t in {r.task_id for r in records}
+                                                                         for s in range(2))
+    assert all(t.token_ids and sum(t.loss_mask) for t in records)
+    assert len((tmp_path / "agent_episodes.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_weight_swap_mid_conversation_shows_in_the_token_versions_and_is_corrected(tmp_path):
+    """One step off, overlapped (`max_staleness=1`, not lock-step): batch 1's episodes start with
+    the first weights and, after their first turn, wait for the update of step 0; their second
+    turn is sampled with the new weights, and step 1 trains on them with the decoupled correction."""
+    config = agent_job(tmp_path, **{"rollout.max_staleness": 1, "rollout.lock_step": False, "algo.decoupled_ppo": True,
+                                    "env.agent_kwargs": json.dumps({"wait_for_update_s": 120.0})})
+    rl_loop.run(config)
+    trajectories = [t for t in read_jsonl(str(tmp_path / "trajectories.jsonl")) if t.token_ids]
+    swapped = [t for t in trajectories if t.train_step == 1]
+    assert swapped
+    for t in swapped:
+        versions = [v for v in t.token_versions if v >= 0]
+        first = t.turn_spans[0][1] - t.turn_spans[0][0]
+        assert set(versions[:first]) == {0} and set(versions[first:]) == {1} and t.policy_version == 0
+    step = by_step(tmp_path)[2]
+    assert step["staleness_max"] == 1 and step["staleness_1"] == 1.0
+    # behaviour (the sampler's log-probs, version 0 for the first turn) vs proximal (the trainer at version 1)
+    assert step["logprob_gap"] > 1e-5 and 0 < step["is_weight_mean"] and math.isfinite(step["is_weight_max"])
+
+
+@pytest.mark.slow
+def test_a_killed_online_job_resumes_and_trains_on_no_episode_twice(tmp_path):
+    """The agent SIGKILLs the job (its own process: a thread agent) during step 2's episodes, once
+    checkpoint 2 is written; the same command resumes at step 2 and finishes."""
+    workdir = tmp_path / "job"
+    kwargs = json.dumps({"kill_once_after": str(workdir / "checkpoints" / "2"), "marker": str(tmp_path / "killed")})
+    overrides = {k: v for k, v in TINY_RL_JOB.items()} | {
+        "workdir": workdir, "train.steps": 3, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 1,
+        "sft.epochs": 1, "env.agent": "tests.agent_programs:play", "env.agent_kwargs": kwargs}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(REPO)}
+    command = launch_command("configs/quickstart.py", overrides)
+    first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == -9 and (tmp_path / "killed").exists(), first.stderr[-3000:]
+    assert not (workdir / "checkpoints" / "3").exists()
+    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0 and "resumed from step 2" in second.stderr, second.stderr[-3000:]
+    metrics = read_metrics(str(workdir / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    trajectories = list(read_jsonl(str(workdir / "trajectories.jsonl")))
+    keys = [(t.train_step, t.group_id, t.sample_idx) for t in trajectories]
+    assert len(keys) == len(set(keys)) == 3 * 2 * 2  # steps x tasks x samples, each once
+    assert sorted({t.group_id for t in trajectories if t.train_step == 2}) == [4, 5]  # the task cursor: batch 2
+
+
+@pytest.mark.slow
+def test_two_processes_each_play_their_share_with_their_own_agents_and_gateway(tmp_path):
+    workdir = tmp_path / "job"
+    overrides = {**TINY_RL_JOB, "workdir": workdir, "train.steps": 2, "horizon_schedule.steps_per_stage": 1,
+                 "sft.epochs": 1, "rollout.batch_tasks": 4, "env.agent": AGENT}
+    with Processes(launch_command("configs/quickstart.py", overrides), tmp_path / "logs", 2) as job:
+        p0, p1 = job.wait(900)
+    assert "summary: env=room" in p0 and "summary:" not in p1
+    shares = [list(read_jsonl(str(workdir / f"trajectories.p{k}.jsonl"))) for k in (0, 1)]
+    groups = [{(t.train_step, t.group_id) for t in share} for share in shares]
+    assert groups[0] == {(0, 0), (0, 1), (1, 4), (1, 5)} and groups[1] == {(0, 2), (0, 3), (1, 6), (1, 7)}
+    for k in (0, 1):  # each process's agents wrote their own episodes, through their own gateway
+        episodes = (workdir / f"agent_episodes.p{k}.jsonl").read_text().splitlines()
+        assert len(episodes) == 2 * 2 * 2
+    assert [m["step"] for m in read_metrics(str(workdir / "metrics.jsonl"))] == [1, 2]
