@@ -95,7 +95,7 @@ def restarting(task, base_url, api_key, env_url, horizon, **kwargs):
 def mixed(task, base_url, api_key, sample_idx, **kwargs):
     if sample_idx < 2:
         return play(task, base_url, api_key, **kwargs)
-    kwargs.pop("record_dir", None)
+    kwargs.pop("record_dir", None), kwargs.pop("wait_for_update_s", None)
     misbehave = [raising, lambda *a, **k: (lying(*a, **k), "high")[1], restarting][task % 3]
     return misbehave(task, base_url, api_key, **kwargs)
 

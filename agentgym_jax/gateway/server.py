@@ -66,6 +66,7 @@ from agentgym_jax.sampling.sampler import Sampler, StopReason
 TRAJECTORIES_NAME = "trajectories.jsonl"
 UNREWARDED_NAME = "unrewarded.jsonl"  # open conversations written at shutdown (`write_unrewarded`), never trained on
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+EPISODE = web.RequestKey("episode", str)  # the agent episode a request belongs to (its API key)
 
 
 @dataclasses.dataclass
@@ -170,7 +171,7 @@ class Gateway:
         chat = oa.read_request(await _json_body(request), self.model_name, self.sampling)
         if self.in_flight >= self.max_queue:
             raise oa.GatewayError(429, f"{self.in_flight} requests are in flight (max_queue); retry later", "rate_limit_error")
-        episode = request.get("episode")
+        episode = request.get(EPISODE)
         conversation, new = self.table.match(chat, episode)
         messages = [oa.framing_message(self.framing, m) for m in new]
         try:  # tokenized off the event loop: a long message must not stall the other clients
@@ -213,7 +214,7 @@ class Gateway:
         env = body.get("env", "gateway")
         if not isinstance(env, str):
             raise oa.GatewayError(400, f"env must be a string, got {env!r}")
-        if request.get("episode") is not None:
+        if request.get(EPISODE) is not None:
             raise oa.GatewayError(400, "this conversation belongs to an agent episode of a job: the job rewards it with "
                                        "what the agent function returns (docs/agents.md)")
         conversation = self.table.close(request.match_info["id"])
@@ -352,7 +353,7 @@ class Gateway:
         header = request.headers.get("Authorization", "")
         given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
         if given in self.episodes:
-            request["episode"] = given
+            request[EPISODE] = given
         elif self.auth_token and request.path != "/health":
             if not hmac.compare_digest(given.encode(), self.auth_token.encode()):
                 raise oa.GatewayError(401, "missing or wrong bearer token (Authorization: Bearer <auth_token>)",
