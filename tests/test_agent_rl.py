@@ -27,6 +27,7 @@ from agentgym_jax.gateway.agents import AgentSpec, read_answer, run_agent
 from agentgym_jax.rollout.trajectory import read_jsonl
 from agentgym_jax.train import rl_loop
 from agentgym_jax.train.metrics import read_metrics
+from configs import agent_movie
 from configs import eval as eval_config
 from configs import quickstart
 from tests.agent_programs import LIES
@@ -237,3 +238,36 @@ def test_two_processes_each_play_their_share_with_their_own_agents_and_gateway(t
         episodes = (workdir / f"agent_episodes.p{k}.jsonl").read_text().splitlines()
         assert len(episodes) == 2 * 2 * 2
     assert [m["step"] for m in read_metrics(str(workdir / "metrics.jsonl"))] == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_movie_recipe_trains_a_langchain_agent_and_evaluates_the_openai_one(tmp_path):
+    """configs/agent_movie.py shrunk to the tiny random policy: one step of `agents/langchain_tools.py`
+    (langchain-openai) on real Movie servers, then `agents/openai_tools.py` evaluated on its checkpoint."""
+    config = agent_movie.get_config()
+    tiny = {**TINY_RL_JOB, "model.hf_dir": "", "tokenizer.dir": "", "model.family": "qwen2", "model.num_layers": 2,
+            "model.num_heads": 4, "model.num_kv_heads": 2, "tokenizer.vocab_size": 512, "rollout.max_tokens_per_turn": 24,
+            "rollout.max_cache_len": 2048, "sft.num_tasks": 4, "horizon_schedule.horizons": "(2,)",
+            "algo.num_microbatches": 1, "algo.length_buckets": 1, "eval.temperature": 1.0}
+    run = agent_job(tmp_path / "job", **tiny, **{"train.steps": 1, "env.agent": "agents.langchain_tools:play"})
+    for section in ("env", "rollout", "sft", "algo"):  # the recipe's own keys, under the tiny ones
+        for key, value in config[section].items():
+            if f"{section}.{key}" not in tiny and key not in ("agent",):
+                run[section][key] = value
+    run.env.agent_reward_range = (0.0, 1.0)
+    rl_loop.run(run)
+    trajectories = list(read_jsonl(str(tmp_path / "job" / "trajectories.jsonl")))
+    assert len(trajectories) == 2 * 2 and all(t.env == "movie" for t in trajectories)
+    assert all(t.token_ids and sum(t.loss_mask) for t in trajectories)
+    assert by_step(tmp_path / "job")[1]["logprob_gap"] < 1e-5
+    episodes = [json.loads(line) for line in (tmp_path / "job" / "agent_episodes.jsonl").read_text().splitlines()]
+    assert {e["error"] for e in episodes} == {""}, episodes  # langchain's requests are all served
+
+    out = tmp_path / "eval"
+    evaluation = eval_config.get_config()
+    evaluation.policy, evaluation.envs, evaluation.task_ids = f"checkpoint:{tmp_path / 'job'}", "movie", "2"
+    evaluation.env.tasks, evaluation.horizon, evaluation.out_dir = config.env.tasks, 2, str(out)
+    evaluation.rollout.max_tokens_per_turn, evaluation.rollout.max_cache_len = 24, 2048
+    evaluation.env.agent, evaluation.env.agent_reward_range = "agents.openai_tools:play", (0.0, 1.0)
+    summary = runner.run(evaluation)
+    assert summary.overall.scheduled == 2 and summary.overall.infra_rate.value == 0.0
