@@ -138,11 +138,14 @@ class Gateway:
         with a sampled turn and no request in flight, the others dropped and counted."""
         record = self.episodes.pop(key)
         for conversation in self.table.of_episode(key):
-            self.batcher.release(conversation)
-            if conversation.busy or not conversation.transcript.num_turns:
+            if conversation.busy:  # its turn decodes on: the row goes to another once it is idle
                 record.dropped += 1
-            else:
+                continue
+            self.batcher.release(conversation)
+            if conversation.transcript.num_turns:
                 record.conversations.append(conversation)
+            else:
+                record.dropped += 1
         return record
 
     def trajectory(self, conversation: Conversation, reward: float, status: EpisodeStatus, *, task_id: int,
