@@ -174,6 +174,13 @@ class Gateway:
         chat = oa.read_request(await _json_body(request), self.model_name, self.sampling)
         if self.in_flight >= self.max_queue:
             raise oa.GatewayError(429, f"{self.in_flight} requests are in flight (max_queue); retry later", "rate_limit_error")
+        self.in_flight += 1  # from here on: framing and tokenizing count, as well as sampling
+        try:
+            return await self._complete(request, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _complete(self, request: web.Request, chat: oa.ChatRequest) -> web.StreamResponse:
         episode = request.get(EPISODE)
         conversation, new = self.table.match(chat, episode)
         messages = [oa.framing_message(self.framing, m) for m in new]
@@ -255,7 +262,6 @@ class Gateway:
         turn, context = conversation.transcript.num_turns, len(conversation.token_ids)
         limit = min(chat.max_tokens or self.max_tokens_per_turn, self.max_tokens_per_turn)
         conversation.busy = True
-        self.in_flight += 1
         start = time.monotonic()
         try:
             sampled = await self.batcher.sample(conversation, appended, limit, turn)
@@ -265,7 +271,6 @@ class Gateway:
                                   code="context_length_exceeded") from None
         finally:
             conversation.busy, conversation.last_used = False, time.monotonic()
-            self.in_flight -= 1
         conversation.transcript.add_policy_turn(sampled.ids, sampled.logprobs)
         conversation.versions += sampled.versions.tolist()
         tokenizer = self.framing.tokenizer
