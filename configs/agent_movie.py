@@ -15,19 +15,21 @@ The comparison (3 seeds each, `--config.seed=<s> --config.workdir=runs/agent_mov
         --b=runs/engine_movie_s0,runs/engine_movie_s1,runs/engine_movie_s2 --out=runs/agent_vs_engine
 
 What it does, and why the numbers:
-- SFT warm start on 64 oracle demonstrations written as `<tool_call>` blocks (`sft.oracle=tool_call`),
+- SFT warm start on 32 oracle demonstrations written as `<tool_call>` blocks (`sft.oracle=tool_call`),
   framed as function-calling episodes: SmolLM2's ChatML writes no tool list, so the tools go into
   the system turn as the one block the engine, the demonstrations and the gateway all write
   (`rollout/tool_use.tool_list_block`). The agent sends exactly that conversation, so the SFT
   start serves both paths.
 - Movie's questions about one film's field (5 kinds, 117 training and 33 test tasks; configs/cpu.py):
-  three calls each. Horizons 3 then 5; 6 RL steps of 4 tasks x 4 samples, one on-policy update each
+  three calls each. Horizons 3 then 5; 6 RL steps of 2 tasks x 4 samples, one on-policy update each
   at Adam 1e-5 with a KL term to the SFT policy (configs/smollm.py has why), sampling at 0.7.
 - Held-out success on all 33 test tasks before and after, sampled at 0.7 (greedy success of the
   SFT'd SmolLM2 does not move with RL: configs/smollm.py). The agent's own evaluation plays the
   agent; the engine's plays the environment protocol: the same conversations.
-- Expected on an idle 2-core CPU (estimated from the SmolLM2 recipes, not yet measured): loading
-  ~3 minutes, SFT ~8, each evaluation ~4, RL ~4 a step: ~45 minutes, at most 60.
+- Every episode starts with a ~1,370-id prompt (SmolLM2's tokenizer; 880 without the tool block)
+  and runs to ~1,700 ids: the update, at ~100 positions/s on 2 cores (configs/smollm.py), is what
+  costs. Expected on an idle 2-core CPU (estimated from the SmolLM2 recipes, not yet measured):
+  loading ~3 minutes, SFT ~8, each evaluation ~4, RL ~3.5 a step: ~40 minutes, at most 60.
 """
 
 import ml_collections
@@ -47,14 +49,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.tool_calls = True
     config.rollout.action_format = "{action}"  # the oracle writes whole calls
     config.sft.oracle = "tool_call"
-    config.sft.num_tasks = 64  # 8 updates of 8
+    config.sft.num_tasks = 32  # 4 updates of 8 (each ~1,500 positions a row at ~100 positions/s)
     config.sft.epochs = 1
     config.rollout.max_tokens_per_turn = 48  # '<tool_call>\n{"name": "get_search_movie", "arguments": {...}}\n</tool_call>'
     config.rollout.max_response_length = 1024  # five calls and their JSON answers
-    config.rollout.max_cache_len = 2048  # the instruction, the tool block, the first observation and the episode
-    config.rollout.batch_tasks = 4
+    config.rollout.max_cache_len = 1536 + 1024  # the first prompt (instruction, tool block, observation: ~1,370 ids) + the episode
+    config.rollout.batch_tasks = 2
     config.rollout.group_size = 4
-    config.algo.num_microbatches = 4  # 4 of 16 rows at a time
+    config.algo.num_microbatches = 4  # 2 of 8 rows at a time
     config.horizon_schedule.horizons = (3, 5)
     config.train.steps = 6
     config.horizon_schedule.steps_per_stage = 3

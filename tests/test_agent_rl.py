@@ -246,8 +246,8 @@ def test_the_movie_recipe_trains_a_langchain_agent_and_evaluates_the_openai_one(
     (langchain-openai) on real Movie servers, then `agents/openai_tools.py` evaluated on its checkpoint."""
     config = agent_movie.get_config()
     tiny = {**TINY_RL_JOB, "model.hf_dir": "", "tokenizer.dir": "", "model.family": "qwen2", "model.num_layers": 2,
-            "model.num_heads": 4, "model.num_kv_heads": 2, "tokenizer.vocab_size": 512, "rollout.max_tokens_per_turn": 24,
-            "rollout.max_cache_len": 2048, "sft.num_tasks": 4, "horizon_schedule.horizons": "(2,)",
+            "model.num_heads": 4, "model.num_kv_heads": 2, "tokenizer.vocab_size": 1024, "rollout.max_tokens_per_turn": 24,
+            "rollout.max_cache_len": 4096,  # the tool block in a tokenizer made of four demonstrations: ~2,000 ids "sft.num_tasks": 4, "horizon_schedule.horizons": "(2,)",
             "algo.num_microbatches": 1, "algo.length_buckets": 1, "eval.temperature": 1.0}
     run = agent_job(tmp_path / "job", **tiny, **{"train.steps": 1, "env.agent": "agents.langchain_tools:play"})
     for section in ("env", "rollout", "sft", "algo"):  # the recipe's own keys, under the tiny ones
@@ -267,7 +267,7 @@ def test_the_movie_recipe_trains_a_langchain_agent_and_evaluates_the_openai_one(
     evaluation = eval_config.get_config()
     evaluation.policy, evaluation.envs, evaluation.task_ids = f"checkpoint:{tmp_path / 'job'}", "movie", "2"
     evaluation.env.tasks, evaluation.horizon, evaluation.out_dir = config.env.tasks, 2, str(out)
-    evaluation.rollout.max_tokens_per_turn, evaluation.rollout.max_cache_len = 24, 2048
+    evaluation.rollout.max_tokens_per_turn, evaluation.rollout.max_cache_len = 24, 4096
     evaluation.env.agent, evaluation.env.agent_reward_range = "agents.openai_tools:play", (0.0, 1.0)
     summary = runner.run(evaluation)
     assert summary.overall.scheduled == 2 and summary.overall.infra_rate.value == 0.0
