@@ -15,7 +15,7 @@ The comparison (3 seeds each, `--config.seed=<s> --config.workdir=runs/agent_mov
         --b=runs/engine_movie_s0,runs/engine_movie_s1,runs/engine_movie_s2 --out=runs/agent_vs_engine
 
 What it does, and why the numbers:
-- SFT warm start on 32 oracle demonstrations written as `<tool_call>` blocks (`sft.oracle=tool_call`),
+- SFT warm start on 32 oracle demonstrations (8 updates of 4) written as `<tool_call>` blocks (`sft.oracle=tool_call`),
   framed as function-calling episodes: SmolLM2's ChatML writes no tool list, so the tools go into
   the system turn as the one block the engine, the demonstrations and the gateway all write
   (`rollout/tool_use.tool_list_block`). The agent sends exactly that conversation, so the SFT
@@ -49,8 +49,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.tool_calls = True
     config.rollout.action_format = "{action}"  # the oracle writes whole calls
     config.sft.oracle = "tool_call"
-    config.sft.num_tasks = 32  # 4 updates of 8 (each ~1,500 positions a row at ~100 positions/s)
+    config.sft.num_tasks = 32  # 8 updates of 4 (each ~1,500 positions a row at ~100 positions/s)
     config.sft.epochs = 1
+    config.sft.batch_size = 4  # rows twice the SmolLM2 recipes' length: 8 of them ran out of 24 GB beside other jobs
+    config.model.remat = "full"  # each layer keeps its input only: the backward pass over ~2,000-position rows fits
     config.rollout.max_tokens_per_turn = 48  # '<tool_call>\n{"name": "get_search_movie", "arguments": {...}}\n</tool_call>'
     config.rollout.max_response_length = 1024  # five calls and their JSON answers
     config.rollout.max_cache_len = 1536 + 1024  # the first prompt (instruction, tool block, observation: ~1,370 ids) + the episode

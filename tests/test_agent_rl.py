@@ -198,6 +198,15 @@ def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online
     assert all(t.token_ids and sum(t.loss_mask) for t in records)
     assert len((tmp_path / "agent_episodes.jsonl").read_text().splitlines()) == 4
 
+    # A hanging agent: given up after env.agent_timeout_s, counted in the report's denominator, the run goes on.
+    config.env.agent, config.env.agent_timeout_s, config.group_size = "tests.agent_programs:hanging", 3.0, 1
+    config.out_dir, config.max_attempts = str(tmp_path / "hanging"), 1
+    hung = runner.run(config)
+    assert hung.overall.scheduled == 2 and hung.overall.infra_rate.value == 1.0
+    episodes = [json.loads(line) for line in (tmp_path / "hanging" / "agent_episodes.jsonl").read_text().splitlines()]
+    assert [e["error"] for e in episodes] == ["the agent did not return within env.agent_timeout_s=3 s"] * 2
+    assert [e["conversations"] for e in episodes] == [1, 1]  # its one answered turn, recorded, never trained on
+
 
 @pytest.mark.slow
 def test_a_killed_online_job_resumes_and_trains_on_no_episode_twice(tmp_path):
