@@ -205,7 +205,8 @@ def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online
     assert hung.overall.scheduled == 2 and hung.overall.infra_rate.value == 1.0
     episodes = [json.loads(line) for line in (tmp_path / "hanging" / "agent_episodes.jsonl").read_text().splitlines()]
     assert [e["error"] for e in episodes] == ["the agent did not return within env.agent_timeout_s=3 s"] * 2
-    assert [e["conversations"] for e in episodes] == [1, 1]  # its one answered turn, recorded, never trained on
+    # Its one conversation: recorded (never trained on) if its turn was answered in time, else dropped, counted.
+    assert [e["conversations"] + e["dropped"] for e in episodes] == [1, 1]
 
 
 @pytest.mark.slow
