@@ -440,22 +440,28 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
 
 
 def make_policy(
-    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], workdir: pathlib.Path
+    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], workdir: pathlib.Path,
+    play_with: Callable[[Sampler, ChatFraming, Any, RolloutConfig], Policy] = ModelPolicy,
 ) -> tuple[Policy, ChatFraming]:
     """`config.policy` (eval, collect): "oracle", "checkpoint:<job folder>" (its latest orbax
     checkpoint, or `checkpoint_step`; its `config.json` and `tokenizer/`), "hf:<folder>",
     "hf:<org>/<name>" (the Hugging Face cache) or "pretrained:<name>"; and the chat framing its
-    trajectories are tokenized with. A model runs on this process's devices (`sampler_mesh`);
-    the oracle's tokenizer is built from the environments' instructions in `workdir`."""
+    trajectories are tokenized with. A model runs on this process's devices (`sampler_mesh`),
+    played by `play_with(sampler, framing, params, rollout)` (an agent program's evaluation:
+    `gateway/episodes.agent_policy`); the oracle's tokenizer is built from the environments'
+    instructions in `workdir`."""
     kind, _, where = config.policy.partition(":")
     if kind == "oracle" and not where:
+        if play_with is not ModelPolicy:
+            raise ConfigError("policy='oracle' plays the environment itself: an agent program (env.agent) needs a model "
+                              "policy ('checkpoint:<dir>', 'hf:<dir>' or 'pretrained:<name>')")
         corpus = [info.instruction for info in infos.values()]
         framing = tokenizer_and_framing(config, workdir, corpus)
         return OraclePolicy(framing, config.rollout.action_format, config.rollout.get("tool_calls", False)), framing
     config, framing, model, params = load_policy(config, "'oracle', ")
     rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
     sampler = make_sampler(config, model, framing, rollout)
-    return ModelPolicy(sampler, framing, params, rollout), framing
+    return play_with(sampler, framing, params, rollout), framing
 
 
 
