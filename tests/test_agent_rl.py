@@ -118,7 +118,9 @@ def online_job(tmp_path_factory):
         "rollout.max_staleness": 1, "rollout.lock_step": False, "algo.decoupled_ppo": True,
         "eval.num_tasks": 1, "eval.horizon": 1,  # one turn: nothing waits for an update
         "algo.entropy_coef": 0.1, "optim.lr": 0.01,  # every update moves the policy, whatever the (~0) rewards
-        "env.agent_kwargs": json.dumps({"record_dir": str(records), "wait_for_update_s": 120.0})})
+        # batch 1's episodes wait for step 0's update (its compilation included): room for a loaded machine
+        "env.agent_timeout_s": 600.0,
+        "env.agent_kwargs": json.dumps({"record_dir": str(records), "wait_for_update_s": 600.0})})
     summary = rl_loop.run(config)
     return root / "job", records, summary
 

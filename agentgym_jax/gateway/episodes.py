@@ -46,7 +46,7 @@ from agentgym_jax.job import settings as job_settings
 from agentgym_jax.job import setup
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.rollout.engine import RolloutConfig
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutProgress
 from agentgym_jax.rollout.stream import GroupSpec, PlayedGroup, PolicyWeights, StreamTimes
 from agentgym_jax.rollout.trajectory import Trajectory
 from agentgym_jax.rollout.transcript import empty_trajectory
@@ -146,7 +146,7 @@ class AgentPolicy:
     seed: int = 0
 
     async def play(self, pool, info: TaskInfo, task_ids: Sequence[int], horizon: int, rng: jax.Array,
-                   on_progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+                   on_progress: Callable[[RolloutProgress], None] | None = None) -> list[Trajectory]:
         del rng  # the gateway draws with its own key, folded per conversation
         gateway = episode_gateway(self.sampler, self.framing, self.params, self.episodes_path.parent, self.rollout,
                                   len(task_ids), self.spec, self.seed)
@@ -158,8 +158,8 @@ class AgentPolicy:
                                          env_url=pool.urls[i % len(pool.urls)], horizon=horizon, group_id=i, sample_idx=0,
                                          success_threshold=info.success_threshold)
             finished += 1
-            if on_progress is not None:
-                on_progress(finished)
+            if on_progress is not None:  # the gateway counts no turns: episodes ended is the progress
+                on_progress(RolloutProgress(finished, len(task_ids), turns=0, tokens=0, turns_left=0))
             return episode
 
         async with serve_local(gateway) as base_url:
