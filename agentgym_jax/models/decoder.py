@@ -161,12 +161,6 @@ def _block_scores(q, k, mask):
     return jnp.where(mask, scores, _MASKED)
 
 
-def _when_visible(mask, fn, carry):
-    """`fn(carry)` where the tile has a visible (query, key) pair, else `carry`: a tile wholly
-    above the diagonal, or between two branches of a prefix tree, costs no matmul."""
-    return jax.lax.cond(jnp.any(mask), fn, lambda c: c, carry)
-
-
 def _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
     """Queries [nq, batch, block_q, kv, group, head_dim] and keys, values [nk, batch, kv, block_k,
     head_dim] cut into blocks, with their positions [nq, batch, block_q] and [nk, batch, block_k]
@@ -203,22 +197,17 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
         qi, qpi, qti = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q], tree indices
 
         def key_block(carry, kv_block):
+            running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
             kj, vj, kpj, ktj = kv_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def attend(carry):
-                running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
-                scores = _block_scores(qi, kj, mask)
-                new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
-                probs = jnp.exp(scores - new_max[..., None])
-                rescale = jnp.exp(running_max - new_max)
-                total = total * rescale + jnp.sum(probs, axis=-1)
-                acc = acc * rescale[..., None] + jnp.einsum(
-                    "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
-                )
-                return new_max, total, acc
-
-            return _when_visible(mask, attend, carry), None
+            scores = _block_scores(qi, kj, _block_mask(qpi, kpj, _tree(qti, ktj)))
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            probs = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(running_max - new_max)
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum(
+                "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return (new_max, total, acc), None
 
         stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
         init = (
@@ -227,7 +216,6 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
             jnp.zeros((*stats_shape, qi.shape[-1]), jnp.float32),
         )
         (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb, ktb))
-        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # a query that sees no key: 0, not 0 / 0
         out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [batch, block_q, kv, group, d]
         return out, running_max + jnp.log(total)
 
@@ -248,8 +236,7 @@ def _flash_fwd(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
 
 def _flash_bwd(block_q, block_k, residuals, d_out):
     """FlashAttention-2's backward: each tile's probabilities recomputed from the saved logsumexp,
-    one pass over query blocks for dq and one over key blocks for dk, dv (tiles without a visible
-    pair skipped, as in the forward)."""
+    one pass over query blocks for dq and one over key blocks for dk, dv."""
     q, k, v, q_pos, k_pos, k_end, out, lse = residuals
     # [batch, kv, group, seq]: rowsum(d_out * out), the softmax's Jacobian term
     delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -270,14 +257,9 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
 
         def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
             kj, vj, kpj, ktj = kv_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def accumulate(dq):
-                _, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
-                return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
-                                       preferred_element_type=jnp.float32)
-
-            return _when_visible(mask, accumulate, dq), None
+            _, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, _block_mask(qpi, kpj, _tree(qti, ktj)))
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
+                                   preferred_element_type=jnp.float32), None
 
         batch, block, kv, group, dim = qi.shape
         dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb, ktb))
@@ -287,17 +269,12 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
         kj, vj, kpj, ktj = inputs
 
         def step(carry, q_block):
+            dk, dv = carry
             qi, doi, lse_i, delta_i, qpi, qti = q_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def accumulate(carry):
-                dk, dv = carry
-                probs, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
-                dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
-                dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
-                return dk, dv
-
-            return _when_visible(mask, accumulate, carry), None
+            probs, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, _block_mask(qpi, kpj, _tree(qti, ktj)))
+            dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            return (dk, dv), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb, qtb))
@@ -330,8 +307,9 @@ def flash_attention(
     The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
     k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
     recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
-    scores. Tiles where no query sees a key are skipped, forward and backward. Plain XLA, so it
-    runs on every backend. Returns [batch, seq, heads, head_dim].
+    scores. Plain XLA, so it runs on every backend (every tile is computed, masked: a `lax.cond`
+    skip of the tiles no query sees raised the 7B update's temporaries 24.5 -> 41.4 GiB, see
+    docs/experiments.md). Returns [batch, seq, heads, head_dim].
 
     `k_ends` [batch, keys] (self-attention of rows packed as prefix trees, `rollout/packing.py`):
     key j is seen by query i of its row only where j <= i < k_ends[b, j], i.e. by the rest of
