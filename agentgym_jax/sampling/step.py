@@ -49,9 +49,7 @@ def _decoder_step(config: ModelConfig, dtype, activation_sharding, kernels, para
         activation_sharding=activation_sharding, return_hidden=True, kernels=kernels,
     )
     hidden = _at(hidden, last)  # [B, hidden], after the final norm
-    head = params["embed"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("bd,dv->bv", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    return logits, cache
+    return decoder.project_logits(hidden, decoder.output_head(params, config), config), cache
 
 
 def decoder_step(

@@ -43,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from agentgym_jax.models import tuning
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name
+from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, soft_cap
+from agentgym_jax.models.moe import Routing, load_balancing_loss
 from agentgym_jax.models.decoder import value_head as decoder_value_head
 from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.parallel.mesh import BATCH_AXES
@@ -93,6 +94,9 @@ class Forward:
     logprob_chunk: int = 1024  # sequence positions projected to the vocabulary at a time
     kernels: AttentionKernels = AttentionKernels()  # attention implementations (`models.kernels`)
     lora_scale: float = 0.0  # LoRA adapters' alpha / rank (`models/tuning.py`); 0: no adapters
+    # A mixture of experts' load-balancing loss (`models.moe.load_balancing_loss`) added to the
+    # policy's losses with this weight; 0 (off) like the MoE RL recipes.
+    router_aux_coef: float = 0.0
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
 
@@ -100,6 +104,8 @@ class Forward:
         remat_name(self.remat)  # raises on an unknown policy, naming the valid ones
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
+        if self.router_aux_coef and not self.model.moe:
+            raise ValueError(f"router_aux_coef={self.router_aux_coef} needs a mixture of experts; {self.model.family} has none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +266,8 @@ class RLBatch:
 
 def token_logprobs(
     params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward, temperature: float = 1.0,
-    value_head: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    value_head: bool = False, router_aux: bool = False,
+) -> tuple[jax.Array, ...]:
     """Log-prob, entropy and critic value of every token given its prefix, each [batch, seq].
 
     Entry t describes token t (predicted from position t - 1), so it lines up with `loss_mask`;
@@ -269,18 +275,21 @@ def token_logprobs(
     distribution the sampler drew from at that temperature. The trunk runs once to the final
     hidden states; the vocabulary projection, log-softmax and gather then run `logprob_chunk`
     positions at a time (`chunked_logprobs`), so the [batch, seq, vocab] logits are never held.
+    With `router_aux`, a mixture of experts' load-balancing loss over the rows comes fourth.
     """
-    hidden = _trunk(params, tokens, positions, forward, forward.model)  # [batch, seq, hidden]
+    hidden, routing = _trunk(params, tokens, positions, forward, forward.model)  # [batch, seq, hidden]
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [batch, seq]: position t predicts token t + 1
     logp, entropy = chunked_logprobs(
-        hidden, output_head(params, forward.model), targets, forward.logprob_chunk, temperature
+        hidden, output_head(params, forward.model), targets, forward.logprob_chunk, temperature,
+        forward.model.final_softcap,
     )
     if value_head:
         values = decoder_value_head(params, hidden)  # value of the state each token is sampled in
     else:
         values = jnp.zeros_like(logp)
     shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731
-    return shift(logp), shift(entropy), shift(values)
+    scores = (shift(logp), shift(entropy), shift(values))
+    return (*scores, load_balancing_loss(routing, forward.model.num_experts)) if router_aux else scores
 
 
 def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, forward: Forward,
@@ -288,27 +297,30 @@ def critic_values(critic_params: Any, tokens: jax.Array, positions: jax.Array, f
     """The separate critic's values `[batch, seq]`, aligned like `token_logprobs`: entry t is the
     value of the state token t is sampled in (entry 0 is 0). The critic's logits are unused (and
     left out by XLA). `model`: the critic's architecture (None: the policy's)."""
-    hidden = _trunk(critic_params, tokens, positions, forward, model or forward.model)
+    hidden, _ = _trunk(critic_params, tokens, positions, forward, model or forward.model)
     return jnp.pad(decoder_value_head(critic_params, hidden)[:, :-1], ((0, 0), (1, 0)))
 
 
-def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: Forward, model: ModelConfig) -> jax.Array:
+def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, config: Forward,
+           model: ModelConfig) -> tuple[jax.Array, Routing | None]:
     """`model`'s final hidden states [batch, seq, hidden] in the update's compute dtype, remat,
-    attention kernels and activation sharding."""
+    attention kernels and activation sharding, and its experts' routing (None: a dense model)."""
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
     if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
         spec = fit_spec(activations.spec, (*tokens.shape, model.hidden_size), activations.mesh)
         activations = NamedSharding(activations.mesh, spec)
     return hidden_states(params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
-                         activation_sharding=activations, kernels=config.kernels, lora_scale=config.lora_scale)
+                         activation_sharding=activations, kernels=config.kernels, lora_scale=config.lora_scale,
+                         return_routing=True)
 
 
 def chunked_logprobs(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """log p(targets) and the entropy at every position under `logits / temperature`, each
-    [batch, seq] float32.
+    [batch, seq] float32 (the logits soft-capped first where the model caps them: `softcap`).
 
     hidden [batch, seq, hidden] (compute dtype), head [hidden, vocab], targets [batch, seq] int.
     A `lax.map` over chunks of `chunk` positions, each rematerialised: forward and backward hold
@@ -324,7 +336,7 @@ def chunked_logprobs(
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def block(inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, t = inputs  # [batch, chunk, hidden], [batch, chunk]
-        logits = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32) / temperature
+        logits = soft_cap(jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32), softcap) / temperature
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), t[..., None], axis=-1)[..., 0]
         return logp, entropy_from_logits(logits)
 
@@ -443,8 +455,8 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
     Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
     sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl = config.rl
-    logprobs, entropy, values = token_logprobs(params, batch.tokens, batch.positions, config.forward, rl.temperature,
-                                               rl.shared_value_head)
+    logprobs, entropy, values, *router = token_logprobs(params, batch.tokens, batch.positions, config.forward,
+                                                        rl.temperature, rl.shared_value_head, _router_aux(config))
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
     if not config.scores_rollouts:
@@ -463,6 +475,7 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
         kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=rl.kl_estimator, **agg)
         loss = loss + rl.kl_coef * kl
         metrics["kl"] = kl
+    loss, metrics = _with_router_aux(loss, metrics, router, config)
     if rl.shared_value_head:
         v_loss, v_metrics = value_loss(values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=rl.clip_eps_value)
         loss = loss + rl.vf_coef * v_loss
@@ -483,9 +496,22 @@ def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tup
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
     model's own distribution (temperature 1)."""
-    logprobs, _, _ = token_logprobs(params, batch.tokens, batch.positions, config.forward)
-    loss = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
-    return loss, {"loss": loss, "nll": loss}
+    logprobs, _, _, *router = token_logprobs(params, batch.tokens, batch.positions, config.forward,
+                                             router_aux=_router_aux(config))
+    nll = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
+    loss, metrics = _with_router_aux(nll, {"nll": nll}, router, config)
+    return loss, {**metrics, "loss": loss}
+
+
+def _router_aux(config: UpdateConfig) -> bool:
+    return config.forward.router_aux_coef > 0
+
+
+def _with_router_aux(loss: jax.Array, metrics: Metrics, router: list, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """`loss` plus the weighted load-balancing loss where the update asks for it (`Forward.router_aux_coef`)."""
+    if not router:
+        return loss, metrics
+    return loss + config.forward.router_aux_coef * router[0], {**metrics, "router_aux_loss": router[0]}
 
 
 @flax.struct.dataclass
