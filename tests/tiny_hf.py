@@ -72,10 +72,13 @@ FAMILIES = {
 }
 
 
-def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A float32 eager-attention model of `family` with all parameters randomised."""
+def build(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A float32 eager-attention model of `family` with all parameters randomised (`overrides`:
+    config attributes to change, e.g. a tokenizer's `vocab_size`)."""
     torch.manual_seed(seed)
     config = FAMILIES[family]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -89,8 +92,8 @@ def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model
 
 
-def save(family: str, folder, seed: int = 0, **save_kwargs) -> transformers.PreTrainedModel:
-    model = build(family, seed)
+def save(family: str, folder, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> transformers.PreTrainedModel:
+    model = build(family, seed, **(overrides or {}))
     model.save_pretrained(folder, **save_kwargs)
     return model
 

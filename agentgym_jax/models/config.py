@@ -62,7 +62,7 @@ class ModelConfig:
     norm_plus_one: bool = False  # RMSNorm weights are stored as w and scale by (1 + w)
     sandwich_norms: bool = False  # norms after attention and before and after the MLP too
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype
-    query_pre_attn_scalar: float | None = None  # scores scaled by its -0.5 power (None: head_dim's)
+    query_pre_attn_scalar: int | None = None  # scores scaled by its -0.5 power (None: head_dim's)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # the same on the logits
     # Sliding-window attention: layer i sees the keys at positions p - window < k <= p if

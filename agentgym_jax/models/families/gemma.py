@@ -33,7 +33,7 @@ def _read_gemma(hf: HF, pattern: int) -> dict[str, Any]:
     ]
     return dict(
         hidden_act=act, norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         **layer_types(types, hf.get("sliding_window", 4096)),
     )
@@ -85,7 +85,7 @@ def _write_gemma3(config: ModelConfig) -> dict[str, Any]:
 def _small(layers: int, pattern: int) -> dict[str, Any]:
     types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
     return dict(hidden_act="gelu_pytorch_tanh", norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
-                query_pre_attn_scalar=24.0, tie_word_embeddings=True, sliding_window=8, layer_types=types)
+                query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=8, layer_types=types)
 
 
 GEMMA2 = Family(

@@ -1,0 +1,266 @@
+"""The families beyond Llama 3.1 / Qwen2 / Qwen3, end to end on tiny random models that transformers
+builds and saves (no download): each loads from `hf:<org>/<name>` in a Hugging Face cache layout,
+exports back bit for bit, decodes greedily through the KV cache across two turns exactly as
+transformers generates, and plays a multi-turn episode against a real server whose trajectories
+train one GRPO step; the experts of the MoE families route like transformers on every token and
+their load-balancing loss is transformers'. Published config.json files parse as transformers
+parses them. Logits against transformers, per kernel: `test_model_parity.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tiny_hf
+import torch
+import transformers
+from safetensors import safe_open
+
+from agentgym_jax.envs.pool import EnvPool
+from agentgym_jax.models import build_tokenizer as bt
+from agentgym_jax.models import fetch
+from agentgym_jax.models.chat import ChatFraming
+from agentgym_jax.models.config import ModelConfig, load_config
+from agentgym_jax.models.decoder import forward, init_cache
+from agentgym_jax.models.hf_checkpoint import SINGLE_FILE, load_pretrained, save_pretrained
+from agentgym_jax.models.kernels import AttentionKernels
+from agentgym_jax.models.moe import load_balancing_loss, routing_mismatch
+from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.rollout.batch import make_token_batch
+from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
+from agentgym_jax.sampling.config import SamplingConfig
+from agentgym_jax.sampling.sampler import Sampler
+from agentgym_jax.train import steps
+from agentgym_jax.train.state import TrainState
+from environments.maze import env as maze
+from tests.servers import start_server
+from tests.updates import update
+
+FAMILIES = ["gemma2", "gemma3", "llama3.2", "mistral", "qwen2_moe", "qwen3_moe"]
+MOE = ["qwen2_moe", "qwen3_moe"]
+TEMPLATE = {"gemma2": "gemma", "gemma3": "gemma", "llama3.2": "llama3"}  # the rest: ChatML
+TURN = 8  # greedy tokens per turn
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A Hugging Face cache (`HF_HUB_CACHE`) holding `Tiny/<family>` for every family, as the hub
+    client lays it out: `models--Tiny--<family>/snapshots/<revision>/` and `refs/main`."""
+    root = tmp_path_factory.mktemp("hub")
+    models = {}
+    for family in FAMILIES:
+        repo = root / f"models--Tiny--{family}"
+        snapshot = repo / "snapshots" / "0123abcd"
+        models[family] = tiny_hf.save(family, snapshot)
+        tiny_hf.save_tokenizer(snapshot, models[family].config.vocab_size)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd\n")
+    return root, models
+
+
+@pytest.fixture
+def loaded(hub, monkeypatch, request):
+    """(transformers model, folder, our config, our params) of `Tiny/<family>` via `hf:`."""
+    root, models = hub
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    folder = fetch.resolve(f"hf:Tiny/{request.param}")
+    config, params = load_pretrained(folder)
+    return models[request.param], folder, config, params
+
+
+def padded_batch(vocab: int, lengths=(20, 11, 4)) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded random rows and their positions (-1 on padding)."""
+    lengths = np.asarray(lengths)
+    seq = lengths.max()
+    tokens = np.random.default_rng(0).integers(3, vocab, (len(lengths), seq)).astype(np.int32)
+    real = np.arange(seq)[None] < lengths[:, None]
+    return np.where(real, tokens, 0), np.where(real, np.arange(seq)[None], -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("loaded", FAMILIES, indirect=True)
+def test_loads_from_the_hf_cache_and_exports_bit_identical(loaded, tmp_path):
+    hf_model, folder, config, params = loaded
+    assert config == load_config(folder) and ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    save_pretrained(params, config, tmp_path, tokenizer_dir=folder)
+    _, again = load_pretrained(tmp_path)
+    for ours, reread in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(ours).view(np.uint32), np.asarray(reread).view(np.uint32))
+    with safe_open(f"{folder}/{SINGLE_FILE}", "np") as source, safe_open(tmp_path / SINGLE_FILE, "np") as export:
+        assert sorted(export.keys()) == sorted(source.keys())  # per-expert tensors, no lm_head when tied
+        for name in source.keys():
+            np.testing.assert_array_equal(export.get_tensor(name).view(np.uint32), source.get_tensor(name).view(np.uint32))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens, positions = padded_batch(config.vocab_size)
+    lengths = np.sum(positions >= 0, axis=1)
+    np.testing.assert_array_equal(tiny_hf.logits(reloaded, tokens, lengths), tiny_hf.logits(hf_model, tokens, lengths))
+
+
+def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], new: int) -> list[int]:
+    """transformers' greedy continuation of one row (its own cache), up to and with the eos."""
+    with torch.no_grad():
+        ids = torch.tensor([ids])  # every id attended: a sampled 0 is not padding
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             eos_token_id=2, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("loaded", FAMILIES, indirect=True)
+def test_greedy_turns_through_the_cache_match_transformers(loaded):
+    """Prompts longer than the sliding window, a greedy turn, an environment chunk through the
+    cache, a second greedy turn: the ids transformers generates from each whole context."""
+    hf_model, _, config, params = loaded
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (9, 14)]
+    chunks = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 3)]
+    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=TURN, temperature=0.0, eot_ids=(2,)),
+                                  max_cache_len=64, batch_buckets=(2,), chunk_buckets=(16,), cache_buckets=(64,))
+    state, first = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))
+    state, _ = sampler.append(params, state, chunks)
+    _, second = sampler.generate(params, state, jax.random.key(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's spinning thread pool crawls on a loaded 2-core machine
+    for row, prompt in enumerate(prompts):
+        turn1 = first.tokens[row, : first.count[row]].tolist()
+        assert turn1 == hf_greedy(hf_model, prompt, TURN)
+        turn2 = second.tokens[row, : second.count[row]].tolist()
+        assert turn2 == hf_greedy(hf_model, prompt + turn1 + chunks[row], TURN)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("loaded", MOE, indirect=True)
+def test_router_top_k_and_load_balancing_loss_match_transformers(loaded):
+    """On a padded batch, both dispatches: transformers' logits (1e-4), its router's top k on every
+    real token of every layer, its load-balancing loss (1e-5); and the sampler's path (prefill,
+    then one token at a time through the cache) routes every token as the training pass does."""
+    hf_model, _, config, params = loaded
+    tokens, positions = padded_batch(config.vocab_size)
+    real = positions >= 0
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(real, dtype=torch.long),
+                       output_router_logits=True)
+    probs = torch.softmax(torch.stack(out.router_logits).float(), dim=-1)  # [layers, batch * seq, experts]
+    want = torch.topk(probs, config.num_experts_per_tok, dim=-1).indices.numpy().reshape(config.num_layers, *tokens.shape, -1)
+    run = jax.jit(forward, static_argnames=("config", "kernels", "return_routing"))
+    for dispatch in ("dense", "ragged"):
+        logits, _, routing = run(params, tokens, positions, config=config,
+                                 kernels=AttentionKernels(moe_dispatch=dispatch), return_routing=True)
+        hf_logits = out.logits.numpy()[real]
+        assert np.max(np.abs(np.asarray(logits)[real] - hf_logits)) <= 1e-4 * np.max(np.abs(hf_logits))
+        np.testing.assert_array_equal(np.asarray(routing.experts)[:, real], want[:, real])
+        assert abs(float(load_balancing_loss(routing, config.num_experts)) - float(out.aux_loss)) <= 1e-5
+
+    # The sampler's path: a 6-token prefill, then one token per step through the cache.
+    cache, steps_routing = init_cache(config, len(tokens), 32), []
+    for start, stop in [(0, 6), *((t, t + 1) for t in range(6, tokens.shape[1]))]:
+        _, cache, step = run(params, tokens[:, start:stop], positions[:, start:stop], cache, config=config,
+                             return_routing=True)
+        steps_routing.append(step.experts)
+    assert float(routing_mismatch(jnp.concatenate(steps_routing, axis=2), routing.experts, real)) == 0.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles():
+    """XLA's cheap compiles (as test_train_steps.py): these tests compile each family's steps once."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def maze_url():
+    with start_server("maze") as url:
+        yield url
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_grpo_step_on_a_multi_turn_episode(family, maze_url, tmp_path):
+    """The family's chat markup framed by a tokenizer built here, a tiny model of its vocabulary
+    loaded from an HF folder, two episodes of two turns against a real Maze server, and one GRPO
+    update on them: the trainer scores the sampled tokens as the sampler did (the decode path over
+    the KV cache, sliding windows and experts included, against the training pass), and the
+    update moves the weights. A random policy earns no reward, so one episode is given 1."""
+    tokenizer_dir = bt.build_tokenizer(tmp_path / "hf", [maze.INSTRUCTION], vocab_size=1024,
+                                       template=TEMPLATE.get(family, "chatml"))
+    framing = ChatFraming(load_tokenizer(tokenizer_dir))
+    tiny_hf.save(family, tmp_path / "hf", overrides=dict(vocab_size=len(framing.tokenizer)))
+    config, params = load_pretrained(tmp_path / "hf")
+    rollout = RolloutConfig(group_size=2, max_tokens_per_turn=4)
+    sampler = Sampler.for_decoder(config, rollout.sampling_config(framing), max_cache_len=448, batch_buckets=(2,),
+                                  chunk_buckets=(32, 320), cache_buckets=(448,))
+    with RolloutEngine(sampler, framing, EnvPool(maze_url), maze.MazeEnv.task_info(), rollout) as engine:
+        episodes = engine.run(params, [0], 2, jax.random.key(0), policy_version=0)
+    assert [t.num_turns for t in episodes] == [2, 2]
+    batch = make_token_batch(episodes)
+    rewards, scores = batch.token_rewards.copy(), batch.scores.copy()
+    rewards[0, np.flatnonzero(batch.loss_mask[0]).max()] = scores[0] = 1.0
+    batch = dataclasses.replace(batch, token_rewards=rewards, scores=scores)
+    fns = steps.make_step_fns(update(config))
+    before = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"])
+    state = TrainState.create(params, optax.adam(1e-3), jax.random.key(1))
+    state, metrics = fns.rl_update(state, fns.prepare(state.params, state.params, batch)[0])
+    assert float(metrics["logprob_gap"]) <= 1e-4  # the trainer's log-probs of the sampled tokens, against the sampler's
+    assert np.isfinite(float(metrics["loss"]))
+    assert not np.array_equal(np.asarray(state.params["layers"]["attn"]["q_proj"]["kernel"]), before)
+
+
+@pytest.mark.parametrize(
+    "hf, expected",
+    [
+        # google/gemma-2-2b-it (transformers-4 form, typed from the published config.json)
+        (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", attn_logit_softcapping=50.0,
+              final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+              hidden_activation="gelu_pytorch_tanh", hidden_size=2304, intermediate_size=9216,
+              max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=26, num_key_value_heads=4,
+              query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+              vocab_size=256000, bos_token_id=2, eos_token_id=[1, 107], pad_token_id=0, torch_dtype="float32"),
+         dict(sliding_window=4096, attn_softcap=50.0, final_softcap=30.0, tie_word_embeddings=True)),
+        # google/gemma-3-1b-it
+        (dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=256,
+              hidden_activation="gelu_pytorch_tanh", hidden_size=1152, intermediate_size=6912,
+              max_position_embeddings=32768, num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1,
+              query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_local_base_freq=10000, rope_scaling=None,
+              rope_theta=1000000, sliding_window=512, sliding_window_pattern=6, vocab_size=262144,
+              attn_logit_softcapping=None, final_logit_softcapping=None, eos_token_id=[1, 106], torch_dtype="bfloat16"),
+         dict(sliding_window=512, qk_norm=True, attn_softcap=None)),
+        # mistralai/Mistral-7B-v0.1
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu", hidden_size=4096,
+              intermediate_size=14336, max_position_embeddings=32768, num_attention_heads=32, num_hidden_layers=32,
+              num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096, vocab_size=32000,
+              tie_word_embeddings=False, torch_dtype="bfloat16"),
+         dict(sliding_window=4096, head_dim=128)),
+        # Qwen/Qwen3-30B-A3B
+        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False,
+              decoder_sparse_step=1, head_dim=128, hidden_act="silu", hidden_size=2048, intermediate_size=6144,
+              max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[], moe_intermediate_size=768,
+              norm_topk_prob=True, num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+              num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1e6,
+              router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, use_sliding_window=False,
+              vocab_size=151936, torch_dtype="bfloat16"),
+         dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, qk_norm=True)),
+    ],
+    ids=["gemma-2-2b-it", "gemma-3-1b-it", "mistral-7b-v0.1", "qwen3-30b-a3b"],
+)
+def test_published_configs_parse_as_transformers_parses_them(hf, expected):
+    """Layer types, windows and RoPE bases as transformers' own config class reads them, from the
+    published file and from our export of it."""
+    config = ModelConfig.from_hf_dict(hf)
+    assert {key: getattr(config, key) for key in expected} == expected
+    for source in (hf, config.to_hf_dict()):
+        theirs = transformers.AutoConfig.for_model(**source)
+        types = getattr(theirs, "layer_types", None) or ["full_attention"] * theirs.num_hidden_layers
+        if hf["model_type"] == "mistral":  # Mistral's one window is every layer's
+            types = ["sliding_attention" if theirs.sliding_window else "full_attention"] * theirs.num_hidden_layers
+        assert list(config.layer_types or ("full_attention",) * config.num_layers) == types
+        rope = theirs.rope_parameters
+        full = rope.get("full_attention", rope)
+        assert (config.rope.theta, config.rope.type) == (full["rope_theta"], full["rope_type"])
+        if "sliding_attention" in rope:
+            local = config.local_rope or config.rope
+            assert (local.theta, local.type) == (rope["sliding_attention"]["rope_theta"], "default")
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
