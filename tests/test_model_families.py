@@ -26,11 +26,12 @@ from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models import fetch
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, load_config
-from agentgym_jax.models.decoder import forward, init_cache
+from agentgym_jax.models.decoder import forward, init_cache, init_params
 from agentgym_jax.models.hf_checkpoint import SINGLE_FILE, load_pretrained, save_pretrained
 from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.moe import load_balancing_loss, routing_mismatch
 from agentgym_jax.models.tokenizer import load_tokenizer
+from agentgym_jax.models.tuning import Tuning, combine, merge, split
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.sampling.config import SamplingConfig
@@ -161,6 +162,33 @@ def test_router_top_k_and_load_balancing_loss_match_transformers(loaded):
                              return_routing=True)
         steps_routing.append(step.experts)
     assert float(routing_mismatch(jnp.concatenate(steps_routing, axis=2), routing.experts, real)) == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_lora_on_the_experts_is_a_config_choice(dispatch):
+    """Adapters on every expert's projections (each expert its own pair) compute what their merge
+    into the expert kernels computes, through either dispatch; attention-only LoRA leaves every
+    expert frozen; a dense-MLP target on an MoE model is refused by name."""
+    config = ModelConfig.small("qwen3_moe")
+    params = init_params(config, jax.random.key(0))
+    tuning = Tuning(lora_rank=2, lora_targets=("q", "v", "expert_gate", "expert_up", "expert_down"))
+    trainable, frozen = split(params, tuning, jax.random.key(1))
+    assert trainable["layers"]["moe"]["expert_up_lora"]["a"].shape == (2, config.num_experts, config.hidden_size, 2)
+    assert trainable["layers"]["moe"]["expert_down_lora"]["b"].shape == (2, config.num_experts, 2, config.hidden_size)
+    rng = np.random.default_rng(0)  # adapters that change the model: b away from its zero start
+    trainable = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), trainable)
+    tokens, positions = padded_batch(config.vocab_size)
+    kernels = AttentionKernels(moe_dispatch=dispatch)
+    got, _ = forward(combine(trainable, frozen), tokens, positions, config=config, kernels=kernels,
+                     lora_scale=tuning.lora_scale)
+    want, _ = forward(merge(trainable, frozen, tuning.lora_scale), tokens, positions, config=config, kernels=kernels)
+    real = positions >= 0
+    assert np.max(np.abs(np.asarray(got)[real] - np.asarray(want)[real])) <= 1e-5 * np.max(np.abs(np.asarray(want)[real]))
+    attention_only, _ = split(params, Tuning(lora_rank=2, lora_targets=("q", "k", "v", "o")), jax.random.key(1))
+    assert set(attention_only["layers"]) == {"attn"}
+    with pytest.raises(ValueError, match="lora target 'gate' names a mlp layer this model has not; its targets: q, k, v, o, "
+                                         "expert_gate, expert_up, expert_down"):
+        split(params, Tuning(lora_rank=2), jax.random.key(1))
 
 
 @pytest.fixture(scope="module", autouse=True)

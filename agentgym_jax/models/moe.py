@@ -9,8 +9,8 @@ experts' SwiGLU MLPs (plus, in Qwen2-MoE, a shared expert scaled by a sigmoid ga
 The shared expert is the decoder's `MLP` (`decoder.Block`). Two dispatches compute the same sum (`MOE_DISPATCH`, chosen per backend by
 `kernels.AttentionKernels.for_backend`):
 - "dense": every expert runs on every token and the routing weights (zero off the top k) mix
-  them: three einsums, no data movement; `num_experts / num_experts_per_tok` times the expert
-  FLOPs, so it is for the CPU, the tests and tiny models;
+  them: einsums over groups of experts, no data movement; `num_experts / num_experts_per_tok`
+  times the expert FLOPs, so it is for the CPU, the tests and tiny models;
 - "ragged": the (token, expert) pairs are sorted by expert and each expert's contiguous rows go
   through `jax.lax.ragged_dot`, a grouped matmul (native on TPU, XLA's ragged dot on GPU; on the
   CPU it lowers to a masked dense product): the FLOPs of the chosen experts only, exact, no
@@ -24,6 +24,7 @@ b [experts, rank, out]}`) give each expert its own low-rank update.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -92,15 +93,38 @@ class _Kernel(nn.Module):
         return self.param("kernel", _INIT, self.shape, self.param_dtype)
 
 
-def _dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [tokens, experts, in] (or [tokens, in]: the same input for every expert) @ w [experts, in, out]."""
-    spec = "tei,eio->teo" if x.ndim == 3 else "ti,eio->teo"
-    return jnp.einsum(spec, x, w)
+EXPERT_GROUP = 16  # experts per step of the dense dispatch: bounds its [tokens, group, moe] temporaries
 
 
-def _ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """x [pairs, in] (sorted by expert, `sizes[e]` rows of expert e) @ w[expert of the row] -> [pairs, out]."""
-    return jax.lax.ragged_dot(x, w, sizes)
+def _expert_mlp(x: jax.Array, weights: dict, matmul, scale: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x) * scale) through each row's expert(s), LoRA updates included:
+    `weights[p]` holds `kernel` and, for adapted projections, `a` and `b` (scaled already);
+    `matmul(h, w)` applies stacked weights w [experts, in, out] to h."""
+
+    def project(name: str, h: jax.Array) -> jax.Array:
+        w = weights[name]
+        out = matmul(h, w["kernel"])
+        return out + matmul(matmul(h, w["a"]), w["b"]) if "a" in w else out
+
+    return project("down", nn.silu(project("gate", x)) * project("up", x) * scale)
+
+
+def _dense_experts(tokens: jax.Array, mix: jax.Array, weights: dict) -> jax.Array:
+    """Every expert on every token, mixed by `mix` [T, experts] (zero off each token's top k):
+    a map over groups of EXPERT_GROUP experts, each step rematerialised in the backward pass, so
+    no pass holds the [T, experts, moe] activations of all experts at once. Returns [T, hidden]."""
+    experts = mix.shape[1]
+    group = next(g for g in range(min(EXPERT_GROUP, experts), 0, -1) if experts % g == 0)
+    split = lambda w: w.reshape(experts // group, group, *w.shape[1:])  # noqa: E731
+    each = lambda h, w: jnp.einsum("ti,eio->teo" if h.ndim == 2 else "tei,eio->teo", h, w)  # noqa: E731
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def step(inputs):
+        group_weights, group_mix = inputs  # leaves [group, ...], [T, group]
+        return jnp.sum(_expert_mlp(tokens, group_weights, each, group_mix[..., None]), axis=1)
+
+    parts = jax.lax.map(step, (jax.tree.map(split, weights), split(mix.T).swapaxes(1, 2)))
+    return jnp.sum(parts, axis=0)
 
 
 class MoE(nn.Module):
@@ -127,31 +151,21 @@ class MoE(nn.Module):
         weights, chosen, probs = route(logits, k, c.norm_topk_prob)  # [T, k], [T, k], [T, experts]
         one_hot = jax.nn.one_hot(chosen, experts, dtype=jnp.float32)  # [T, k, experts]
         shapes = {"gate": (experts, hidden, moe), "up": (experts, hidden, moe), "down": (experts, moe, hidden)}
-        kernels = {p: _Kernel(shapes[p], self.param_dtype, name=f"{p}_proj")().astype(self.dtype) for p in shapes}
-        adapters = {p: (self.get_variable("params", f"expert_{p}_lora")) for p in self.lora_targets}
-
-        def project(name: str, h: jax.Array, matmul) -> jax.Array:
-            """h through every (dense) or its own (ragged) expert's projection `name`, plus its LoRA update."""
-            out = matmul(h, kernels[name])
-            if name in adapters:
-                a, b = (adapters[name][w].astype(self.dtype) for w in ("a", "b"))
-                out = out + self.lora_scale * matmul(matmul(h, a), b)
-            return out
-
-        act = nn.silu
+        weights_of = {p: {"kernel": _Kernel(shapes[p], self.param_dtype, name=f"{p}_proj")()} for p in shapes}
+        for p in self.lora_targets:  # each expert's adapters, scaled here once
+            lora = self.get_variable("params", f"expert_{p}_lora")
+            weights_of[p].update(a=lora["a"], b=lora["b"] * self.lora_scale)
+        weights_of = jax.tree.map(lambda w: w.astype(self.dtype), weights_of)  # leaves [experts, ...]
         if self.dispatch == "dense":
             mix = jnp.einsum("tk,tke->te", weights, one_hot)  # the routing weights, 0 off the top k
-            h = act(project("gate", tokens, _dense_matmul)) * project("up", tokens, _dense_matmul)  # [T, experts, moe]
-            h = h * mix.astype(h.dtype)[..., None]  # each expert's share, folded in before down_proj
-            out = jnp.sum(project("down", h, _dense_matmul), axis=1)  # [T, hidden]
+            out = _dense_experts(tokens, mix.astype(self.dtype), weights_of)
         else:
             flat = chosen.reshape(-1)  # [T * k] pairs, token-major
             order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
             rows = tokens[order // k]  # [T * k, hidden], sorted by expert
-            matmul = lambda h, w: _ragged_matmul(h, w, sizes)  # noqa: E731
-            h = act(project("gate", rows, matmul)) * project("up", rows, matmul)
-            y = project("down", h, matmul) * weights.reshape(-1)[order][:, None].astype(h.dtype)
+            matmul = lambda h, w: jax.lax.ragged_dot(h, w, sizes)  # noqa: E731
+            y = _expert_mlp(rows, weights_of, matmul, weights.reshape(-1)[order][:, None].astype(self.dtype))
             out = jnp.sum(y[jnp.argsort(order)].reshape(-1, k, hidden), axis=1)
         real = (positions.reshape(-1) >= 0).astype(jnp.float32)  # [T]
         routing = Routing(
