@@ -1,8 +1,7 @@
 """The families beyond Llama 3.1 / Qwen2 / Qwen3, end to end on tiny random models that transformers
 builds and saves (no download): each loads from `hf:<org>/<name>` in a Hugging Face cache layout,
-exports back bit for bit, decodes greedily through the KV cache across two turns exactly as
-transformers generates, and plays a multi-turn episode against a real server whose trajectories
-train one GRPO step; the experts of the MoE families route like transformers on every token and
+exports back bit for bit, and plays greedy two-turn episodes against a real server through the KV
+cache exactly as transformers generates them, which then train one GRPO step; the experts of the MoE families route like transformers on every token and
 their load-balancing loss is transformers'. Published config.json files parse as transformers
 parses them. Logits against transformers, per kernel: `test_model_parity.py`.
 """
@@ -10,6 +9,7 @@ parses them. Logits against transformers, per kernel: `test_model_parity.py`.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +45,23 @@ from tests.updates import update
 FAMILIES = ["gemma2", "gemma3", "llama3.2", "mistral", "qwen2_moe", "qwen3_moe"]
 MOE = ["qwen2_moe", "qwen3_moe"]
 TEMPLATE = {"gemma2": "gemma", "gemma3": "gemma", "llama3.2": "llama3"}  # the rest: ChatML
-TURN = 8  # greedy tokens per turn
+TURN = 6  # tokens per turn
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """A Hugging Face cache (`HF_HUB_CACHE`) holding `Tiny/<family>` for every family, as the hub
-    client lays it out: `models--Tiny--<family>/snapshots/<revision>/` and `refs/main`."""
+    client lays it out (`models--Tiny--<family>/snapshots/<revision>/`, `refs/main`): a model of
+    the vocabulary of a tokenizer with the family's chat markup, built here on the Maze text."""
     root = tmp_path_factory.mktemp("hub")
+    tokenizers = {template: bt.build_tokenizer(root / template, [maze.INSTRUCTION], vocab_size=1024, template=template)
+                  for template in {*TEMPLATE.values(), "chatml"}}
     models = {}
     for family in FAMILIES:
         repo = root / f"models--Tiny--{family}"
         snapshot = repo / "snapshots" / "0123abcd"
-        models[family] = tiny_hf.save(family, snapshot)
-        tiny_hf.save_tokenizer(snapshot, models[family].config.vocab_size)
+        shutil.copytree(tokenizers[TEMPLATE.get(family, "chatml")], snapshot)
+        models[family] = tiny_hf.save(family, snapshot, overrides=dict(vocab_size=len(load_tokenizer(snapshot))))
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("0123abcd\n")
     return root, models
@@ -99,38 +102,6 @@ def test_loads_from_the_hf_cache_and_exports_bit_identical(loaded, tmp_path):
     tokens, positions = padded_batch(config.vocab_size)
     lengths = np.sum(positions >= 0, axis=1)
     np.testing.assert_array_equal(tiny_hf.logits(reloaded, tokens, lengths), tiny_hf.logits(hf_model, tokens, lengths))
-
-
-def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], new: int) -> list[int]:
-    """transformers' greedy continuation of one row (its own cache), up to and with the eos."""
-    with torch.no_grad():
-        ids = torch.tensor([ids])  # every id attended: a sampled 0 is not padding
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             eos_token_id=2, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-@pytest.mark.parametrize("loaded", FAMILIES, indirect=True)
-def test_greedy_turns_through_the_cache_match_transformers(loaded):
-    """Prompts longer than the sliding window, a greedy turn, an environment chunk through the
-    cache, a second greedy turn: the ids transformers generates from each whole context."""
-    hf_model, _, config, params = loaded
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (9, 14)]
-    chunks = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 3)]
-    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=TURN, temperature=0.0, eot_ids=(2,)),
-                                  max_cache_len=64, batch_buckets=(2,), chunk_buckets=(16,), cache_buckets=(64,))
-    state, first = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))
-    state, _ = sampler.append(params, state, chunks)
-    _, second = sampler.generate(params, state, jax.random.key(1))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # torch's spinning thread pool crawls on a loaded 2-core machine
-    for row, prompt in enumerate(prompts):
-        turn1 = first.tokens[row, : first.count[row]].tolist()
-        assert turn1 == hf_greedy(hf_model, prompt, TURN)
-        turn2 = second.tokens[row, : second.count[row]].tolist()
-        assert turn2 == hf_greedy(hf_model, prompt + turn1 + chunks[row], TURN)
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("loaded", MOE, indirect=True)
@@ -206,28 +177,45 @@ def maze_url():
         yield url
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_one_grpo_step_on_a_multi_turn_episode(family, maze_url, tmp_path):
-    """The family's chat markup framed by a tokenizer built here, a tiny model of its vocabulary
-    loaded from an HF folder, two episodes of two turns against a real Maze server, and one GRPO
-    update on them: the trainer scores the sampled tokens as the sampler did (the decode path over
-    the KV cache, sliding windows and experts included, against the training pass), and the
-    update moves the weights. A random policy earns no reward, so one episode is given 1."""
-    tokenizer_dir = bt.build_tokenizer(tmp_path / "hf", [maze.INSTRUCTION], vocab_size=1024,
-                                       template=TEMPLATE.get(family, "chatml"))
-    framing = ChatFraming(load_tokenizer(tokenizer_dir))
-    tiny_hf.save(family, tmp_path / "hf", overrides=dict(vocab_size=len(framing.tokenizer)))
-    config, params = load_pretrained(tmp_path / "hf")
-    rollout = RolloutConfig(group_size=2, max_tokens_per_turn=4)
+def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], new: int, eos: int) -> list[int]:
+    """transformers' greedy continuation of one row (its own cache), up to and with the eos."""
+    with torch.no_grad():
+        ids = torch.tensor([ids])  # every id attended: a sampled 0 is not padding
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("loaded", FAMILIES, indirect=True)
+def test_a_greedy_multi_turn_episode_matches_transformers_and_trains_one_grpo_step(loaded, maze_url):
+    """Greedy episodes of two turns on two Maze tasks against a real server, framed by the
+    family's chat markup: each turn's ids (sampled through the KV cache, the environment's answer
+    appended between turns, sliding windows and experts included) are the ids transformers
+    generates greedily from the whole context before it. Then one GRPO update on them: the
+    trainer's log-probs of the sampled tokens are the sampler's, and the update moves the
+    weights. A policy this random earns no reward, so one episode is given 1."""
+    hf_model, folder, config, params = loaded
+    framing = ChatFraming(load_tokenizer(folder))
+    rollout = RolloutConfig(group_size=1, max_tokens_per_turn=TURN, temperature=0.0)
     sampler = Sampler.for_decoder(config, rollout.sampling_config(framing), max_cache_len=448, batch_buckets=(2,),
                                   chunk_buckets=(32, 320), cache_buckets=(448,))
     with RolloutEngine(sampler, framing, EnvPool(maze_url), maze.MazeEnv.task_info(), rollout) as engine:
-        episodes = engine.run(params, [0], 2, jax.random.key(0), policy_version=0)
+        episodes = engine.run(params, [0, 1], 2, jax.random.key(0), policy_version=0)
     assert [t.num_turns for t in episodes] == [2, 2]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's spinning thread pool crawls on a loaded 2-core machine
+    for episode in episodes:
+        for start, stop in episode.turn_spans:
+            ids = episode.token_ids
+            assert ids[start:stop] == hf_greedy(hf_model, ids[:start], TURN, framing.end_of_turn_ids[0])
+    torch.set_num_threads(threads)
+
+    # One group of the two (greedy episodes of one task would be the same sequence twice, whose
+    # opposite advantages cancel), the first one rewarded.
     batch = make_token_batch(episodes)
     rewards, scores = batch.token_rewards.copy(), batch.scores.copy()
     rewards[0, np.flatnonzero(batch.loss_mask[0]).max()] = scores[0] = 1.0
-    batch = dataclasses.replace(batch, token_rewards=rewards, scores=scores)
+    batch = dataclasses.replace(batch, token_rewards=rewards, scores=scores, group_ids=np.zeros_like(batch.group_ids))
     fns = steps.make_step_fns(update(config))
     before = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"])
     state = TrainState.create(params, optax.adam(1e-3), jax.random.key(1))

@@ -27,17 +27,19 @@ SPLASH = AttentionKernels(training="splash", interpret=True)
 TRAINING = [*BLOCKS, SPLASH]
 # Llama-3, Qwen2 and Qwen3 run every kernel and tile size; the later families, whose blocks reuse
 # those paths, run the multi-tile one (a sliding window across tiles), and the Pallas kernels
-# where their window or soft cap changes what the kernel is asked (suite time: docs/models.md).
+# where their window or soft cap changes what the kernel is asked. Their decoding through the
+# cache is checked against transformers' greedy generation (test_model_families.py).
 CLASSIC = ("llama3", "qwen2", "qwen3")
 WINDOWED = ("gemma2", "gemma3", "mistral")
+TRITON = AttentionKernels(decode="triton", interpret=True)
 
 
-def cases(kernels: list, later: list, windowed: list = ()) -> list:
+def cases(kernels: list, later: list, windowed: list = (), windowed_families=WINDOWED) -> list:
     """(family, kernels) pairs: the classic families with each of `kernels`, the later ones with
     each of `later`, the sliding-window ones also with each of `windowed`."""
     return [pytest.param(family, k, id=f"{family}-{k.training}-{k.decode}-block{k.block}")
             for family in FAMILIES
-            for k in (kernels if family in CLASSIC else [*later, *(windowed if family in WINDOWED else ())])]
+            for k in (kernels if family in CLASSIC else [*later, *(windowed if family in windowed_families else ())])]
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +113,7 @@ def test_three_turn_cache_continuation_matches_full_pass(models, family, kernels
     assert rel_error(got[valid], want[valid]) <= 1e-4
 
 
-@pytest.mark.parametrize("family, kernels", cases(
-    [AttentionKernels(), AttentionKernels(decode="triton", interpret=True)], [AttentionKernels()],
-    [AttentionKernels(decode="triton", interpret=True)]))
+@pytest.mark.parametrize("family, kernels", cases([AttentionKernels(), TRITON], [], [TRITON], ("gemma3", "mistral")))
 def test_layers_as_a_loop_match_the_scan(models, family, kernels):
     """`unstack_layers` params (the sampler's decode loop) give the scan's logits and cache.
 
