@@ -26,7 +26,7 @@ from agentgym_jax.models import build_tokenizer as bt
 from agentgym_jax.models import fetch
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.models.config import ModelConfig, load_config
-from agentgym_jax.models.decoder import forward, init_cache, init_params
+from agentgym_jax.models.decoder import forward, init_params
 from agentgym_jax.models.hf_checkpoint import SINGLE_FILE, load_pretrained, save_pretrained
 from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.moe import load_balancing_loss, routing_mismatch
@@ -107,8 +107,8 @@ def test_loads_from_the_hf_cache_and_exports_bit_identical(loaded, tmp_path):
 @pytest.mark.parametrize("loaded", MOE, indirect=True)
 def test_router_top_k_and_load_balancing_loss_match_transformers(loaded):
     """On a padded batch, both dispatches: transformers' logits (1e-4), its router's top k on every
-    real token of every layer, its load-balancing loss (1e-5); and the sampler's path (prefill,
-    then one token at a time through the cache) routes every token as the training pass does."""
+    real token of every layer, its load-balancing loss (1e-5); and the experts the sampler records
+    for each token it samples are those the training pass routes it to."""
     hf_model, _, config, params = loaded
     tokens, positions = padded_batch(config.vocab_size)
     real = positions >= 0
@@ -126,13 +126,29 @@ def test_router_top_k_and_load_balancing_loss_match_transformers(loaded):
         np.testing.assert_array_equal(np.asarray(routing.experts)[:, real], want[:, real])
         assert abs(float(load_balancing_loss(routing, config.num_experts)) - float(out.aux_loss)) <= 1e-5
 
-    # The sampler's path: a 6-token prefill, then one token per step through the cache.
-    cache, steps_routing = init_cache(config, len(tokens), 32), []
-    for start, stop in [(0, 6), *((t, t + 1) for t in range(6, tokens.shape[1]))]:
-        _, cache, step = run(params, tokens[:, start:stop], positions[:, start:stop], cache, config=config,
-                             return_routing=True)
-        steps_routing.append(step.experts)
-    assert float(routing_mismatch(jnp.concatenate(steps_routing, axis=2), routing.experts, real)) == 0.0
+    # The sampler records the experts each sampled token went to (as it went into the cache, one
+    # token a step): the training pass over the same tokens routes them alike.
+    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=TURN, temperature=1.0), max_cache_len=32,
+                                  batch_buckets=(3,), chunk_buckets=(32,), cache_buckets=(32,))
+    prompts = [row[: int(n)].tolist() for row, n in zip(tokens, real.sum(axis=1))]
+    _, turn = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))
+    assert turn.experts.shape == (3, TURN, config.num_layers, config.num_experts_per_tok)
+    rows = [prompt + turn.tokens[b, : turn.count[b]].tolist() for b, prompt in enumerate(prompts)]
+    width = max(map(len, rows))
+    full = np.zeros((3, width), np.int32)
+    for b, row in enumerate(rows):
+        full[b, : len(row)] = row
+    lengths = np.array(list(map(len, rows)))
+    positions = np.where(np.arange(width)[None] < lengths[:, None], np.arange(width)[None], -1).astype(np.int32)
+    _, _, trained = run(params, full, positions, config=config, return_routing=True)
+    sampled = np.zeros((3, width), bool)
+    for b, prompt in enumerate(prompts):
+        sampled[b, len(prompt) : lengths[b]] = True
+    recorded = np.full(np.asarray(trained.experts).shape, -1, np.int32)  # [layers, batch, seq, k]
+    for b, prompt in enumerate(prompts):
+        recorded[:, b, len(prompt) : lengths[b]] = turn.experts[b, : turn.count[b]].transpose(1, 0, 2)
+    assert sampled.sum() == turn.count.sum() > 0
+    assert float(routing_mismatch(jnp.asarray(recorded), trained.experts, sampled)) == 0.0
 
 
 @pytest.mark.parametrize("dispatch", ["dense", "ragged"])
