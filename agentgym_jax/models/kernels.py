@@ -59,9 +59,11 @@ class AttentionKernels:
     moe_dispatch: str = "dense"  # how a mixture of experts reaches its experts: one of MOE_DISPATCH (`models.moe`)
 
     def __post_init__(self):
-        for name, valid in (("training", TRAINING_KERNELS), ("decode", DECODE_KERNELS), ("moe_dispatch", MOE_DISPATCH)):
+        for name, label, valid in (("training", "training attention kernel", TRAINING_KERNELS),
+                                   ("decode", "decode attention kernel", DECODE_KERNELS),
+                                   ("moe_dispatch", "moe_dispatch", MOE_DISPATCH)):
             if getattr(self, name) not in valid:
-                raise ValueError(f"{name} attention kernel {getattr(self, name)!r} is not one of {', '.join(valid)}")
+                raise ValueError(f"{label} {getattr(self, name)!r} is not one of {', '.join(valid)}")
         if self.block < 1:
             raise ValueError(f"attention block must be >= 1, got {self.block}")
 
