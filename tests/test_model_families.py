@@ -32,7 +32,7 @@ from agentgym_jax.models.kernels import AttentionKernels
 from agentgym_jax.models.moe import load_balancing_loss, routing_mismatch
 from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.models.tuning import Tuning, combine, merge, split
-from agentgym_jax.rollout.batch import make_token_batch
+from agentgym_jax.rollout.batch import TokenBatch, make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler
@@ -176,6 +176,29 @@ def test_lora_on_the_experts_is_a_config_choice(dispatch):
     with pytest.raises(ValueError, match="lora target 'gate' names a mlp layer this model has not; its targets: q, k, v, o, "
                                          "expert_gate, expert_up, expert_down"):
         split(params, Tuning(lora_rank=2), jax.random.key(1))
+
+
+def test_the_load_balancing_loss_is_in_the_losses_only_when_asked():
+    """`router_aux_coef` adds the routers' load-balancing loss (the forward's own routing) to the
+    SFT and RL losses and to their gradient; 0, the default, leaves it out; a dense model refuses it."""
+    config = ModelConfig.small("qwen3_moe")
+    params = init_params(config, jax.random.key(0))
+    tokens, positions = padded_batch(config.vocab_size)
+    batch = TokenBatch(tokens=tokens, positions=positions, loss_mask=(positions > 0).astype(np.float32),
+                       old_logprobs=np.zeros(tokens.shape, np.float32), token_rewards=np.zeros(tokens.shape, np.float32),
+                       group_ids=np.zeros(3, np.int32), scores=np.zeros(3, np.float32))
+    _, _, routing = forward(params, tokens, positions, config=config, return_routing=True)
+    aux = float(load_balancing_loss(routing, config.num_experts))
+    loss_and_grad = jax.jit(jax.value_and_grad(steps.sft_loss, has_aux=True), static_argnames="config")
+    losses = {coef: loss_and_grad(params, batch, config=update(config, rl=False, router_aux_coef=coef)) for coef in (0.0, 0.5)}
+    (off, off_metrics), off_grad = losses[0.0]
+    (on, on_metrics), on_grad = losses[0.5]
+    assert "router_aux_loss" not in off_metrics and abs(float(on_metrics["router_aux_loss"]) - aux) <= 1e-6
+    assert abs(float(on) - float(off) - 0.5 * aux) <= 1e-6
+    router = lambda g: np.asarray(g["layers"]["moe"]["router"]["kernel"])  # noqa: E731
+    assert not np.allclose(router(on_grad), router(off_grad))
+    with pytest.raises(ValueError, match="router_aux_coef=0.5 needs a mixture of experts; qwen2 has none"):
+        update(ModelConfig.small("qwen2"), rl=False, router_aux_coef=0.5)
 
 
 @pytest.fixture(scope="module", autouse=True)
