@@ -71,8 +71,8 @@ PRESETS.update({
     # holds a vision tower and is refused: models/families): 3.9B parameters, window 1024, global
     # RoPE 1M with linear scaling 8. Everything over fsdp on 8 devices; its KV cache per token is
     # 2.4x the 7B's (34 layers x 4 x 256) and every layer keeps all its slots (docs/models.md), so
-    # 256 episodes of 10752 slots take 44.7 GiB a device and the append peaks at 98% of an H100:
-    # the slot engine's 128 rows halve that.
+    # 256 episodes of 10752 slots take 44.7 GiB a device and the append peaks at 98% of an H100
+    # (fits an H200 or a v5p chip; bench/README.md).
     "gemma-3-4b": dict(
         model=dict(
             family="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
@@ -82,7 +82,7 @@ PRESETS.update({
                            rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0)),
         ),
         mesh=dict(data=1, fsdp=-1, tensor=1),
-        rollout=dict(num_slots=128),
+        rollout=dict(num_slots=0),
         microbatch_rows=8,
     ),
     # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B): 30.5B parameters, 3.3B active, 48 layers of 128 experts
