@@ -1,17 +1,23 @@
-"""The decoder-only transformer of the Llama / Qwen2 / Qwen3 families, as pure functions over a pytree.
+"""The decoder-only transformer of every family in `models/families/`, as pure functions over a pytree.
 
-Pre-norm blocks (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU MLP →
-residual), stacked with `nn.scan` so compile time does not grow with depth. Attention is causal by
-*position*, not by slot (see `cache.attention_mask`): the same code serves training (no cache,
-right-padded rows) and multi-turn sampling (new chunks appended to a `KVCache`).
+Pre-norm blocks (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → gated MLP or a
+mixture of experts (`models.moe`) → residual), stacked with `nn.scan` so compile time does not
+grow with depth. Attention is causal by *position*, not by slot (see `cache.attention_mask`): the
+same code serves training (no cache, right-padded rows) and multi-turn sampling (new chunks
+appended to a `KVCache`). What the families change is a `ModelConfig` field read by the module
+it concerns: the norm (`RMSNorm`, Gemma's `(1 + w)`, `sandwich_norms`), the MLP's activation
+(`ACTIVATIONS`), the scores' scale and soft cap (`ScoreSpec`), the sliding window (a mask term,
+a per-layer flag under the scan), a second RoPE table for sliding layers, the experts.
 
 Parameter pytree (layer parameters carry a leading `[layers]` axis):
   embed/embedding [vocab, hidden]            lm_head [hidden, vocab] (absent when tied)
   layers/attn_norm/scale [L, hidden]          layers/mlp_norm/scale [L, hidden]
+  layers/{post_attn,post_mlp}_norm/scale [L, hidden] (Gemma)
   layers/attn/{q,k,v}_proj/kernel [L, hidden, heads, head_dim] (+ bias [L, heads, head_dim])
   layers/attn/o_proj/kernel [L, heads, head_dim, hidden] (+ bias [L, hidden])
-  layers/attn/{q,k}_norm/scale [L, head_dim] (Qwen3)
+  layers/attn/{q,k}_norm/scale [L, head_dim] (Qwen3, Gemma 3)
   layers/mlp/{gate,up}_proj/kernel [L, hidden, mlp]   layers/mlp/down_proj/kernel [L, mlp, hidden]
+  layers/moe/... (instead of mlp: `models.moe`)  layers/shared_expert/..., shared_expert_gate (Qwen2-MoE)
   final_norm/scale [hidden]                  value_head/{kernel [hidden], bias []} (optional)
 Dtype policy: parameters are stored in `param_dtype` (float32 or bfloat16); matmuls run in the
 compute `dtype`; norms, softmax and logits are computed in float32.
@@ -519,14 +525,14 @@ class Block(nn.Module):
         x = x + h
         h, routing = norm(c, self.param_dtype, "mlp_norm")(x), None
         if c.moe:
-            moe_targets = tuple(t.removeprefix("expert_") for t in targets(tuple(f"expert_{p}" for p in EXPERT_PROJECTIONS)))
-            shared = h
-            h, routing = MoE(c, dispatch=self.kernels.moe_dispatch, lora_targets=moe_targets, name="moe", **lora, **kw)(
+            adapted = tuple(p for p in EXPERT_PROJECTIONS if f"expert_{p}" in self.lora_targets)
+            out, routing = MoE(c, dispatch=self.kernels.moe_dispatch, lora_targets=adapted, name="moe", **lora, **kw)(
                 h, positions)
-            if c.shared_expert_intermediate_size:
-                gate = nn.Dense(1, use_bias=False, name="shared_expert_gate", kernel_init=_INIT, **kw)(shared)
-                h = h + jax.nn.sigmoid(gate) * MLP(c, intermediate_size=c.shared_expert_intermediate_size,
-                                                   name="shared_expert", **kw)(shared)
+            if c.shared_expert_intermediate_size:  # Qwen2-MoE: every token through one more expert, gated
+                gate = nn.Dense(1, use_bias=False, name="shared_expert_gate", kernel_init=_INIT, **kw)(h)
+                out = out + jax.nn.sigmoid(gate) * MLP(c, intermediate_size=c.shared_expert_intermediate_size,
+                                                       name="shared_expert", **kw)(h)
+            h = out
         else:
             h = MLP(c, lora_targets=targets(("gate", "up", "down")), name="mlp", **lora, **kw)(h)
         if c.sandwich_norms:

@@ -4,9 +4,10 @@ router's load-balancing loss and how often two runs route alike.
 Routing follows the family: a linear router gives each token a softmax over the experts (in
 float32), the `num_experts_per_tok` largest probabilities pick its experts and, with
 `norm_topk_prob`, are renormalised to sum to 1; the token's output is the weighted sum of its
-experts' SwiGLU MLPs (plus, in Qwen2-MoE, a shared expert scaled by a sigmoid gate).
+experts' SwiGLU MLPs. (Qwen2-MoE's shared expert, gated by a sigmoid, is the decoder's `MLP`
+beside this layer: `decoder.Block`.)
 
-The shared expert is the decoder's `MLP` (`decoder.Block`). Two dispatches compute the same sum (`MOE_DISPATCH`, chosen per backend by
+Two dispatches compute the same sum (`kernels.MOE_DISPATCH`, chosen per backend by
 `kernels.AttentionKernels.for_backend`):
 - "dense": every expert runs on every token and the routing weights (zero off the top k) mix
   them: einsums over groups of experts, no data movement; `num_experts / num_experts_per_tok`
@@ -17,9 +18,9 @@ The shared expert is the decoder's `MLP` (`decoder.Block`). Two dispatches compu
   capacity and no dropped tokens.
 
 Parameters (under `layers/moe/`, a leading [layers] axis): `router/kernel [hidden, experts]`,
-`{gate,up}_proj/kernel [experts, hidden, moe]`, `down_proj/kernel [experts, moe, hidden]` (a
-shared expert is `layers/shared_expert/` and `layers/shared_expert_gate/` beside it). LoRA adapters on the experts (`expert_{gate,up,down}_lora/{a [experts, in, rank],
-b [experts, rank, out]}`) give each expert its own low-rank update.
+`{gate,up}_proj/kernel [experts, hidden, moe]`, `down_proj/kernel [experts, moe, hidden]`. LoRA
+adapters on the experts (`expert_{gate,up,down}_lora/{a [experts, in, rank], b [experts, rank,
+out]}`, `models/tuning.py`) give each expert its own low-rank update.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def routing_mismatch(experts: jax.Array, other: jax.Array, real: jax.Array) -> j
 
 
 class _Kernel(nn.Module):
-    """One stacked weight `kernel` of the given shape (the experts' projections, their adapters)."""
+    """One stacked weight `kernel` of the given shape (all experts' weights of one projection)."""
 
     shape: tuple[int, ...]
     param_dtype: jnp.dtype
