@@ -44,6 +44,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.compute_dtype = "float32"
     config.model.attention_kernel = "auto"
     config.model.decode_kernel = "auto"
+    # A mixture of experts (qwen3_moe, qwen2_moe; docs/models.md): its dispatch, auto: grouped matmuls
+    # (ragged_dot) on accelerators, every expert on every token (dense) on the CPU; or ragged | dense.
+    config.model.moe_dispatch = "auto"
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

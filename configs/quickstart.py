@@ -76,6 +76,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Triton ragged decode kernel on GPU for decode steps), the blockwise XLA path elsewhere; or xla.
     config.model.attention_kernel = "auto"
     config.model.decode_kernel = "auto"
+    # A mixture of experts (qwen3_moe, qwen2_moe; docs/models.md): its dispatch, auto: grouped matmuls
+    # (ragged_dot) on accelerators, every expert on every token (dense) on the CPU; or ragged | dense.
+    config.model.moe_dispatch = "auto"
+    config.model.router_aux_coef = 0.0  # the router's load-balancing loss weight in the losses; 0: off
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

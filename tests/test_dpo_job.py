@@ -22,7 +22,8 @@ from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.state import TrainState
 from agentgym_jax.train import steps
-from agentgym_jax.train.steps import Batching, DPOSpec, Forward, UpdateConfig
+from agentgym_jax.train.scoring import Forward
+from agentgym_jax.train.steps import Batching, DPOSpec, UpdateConfig
 from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]

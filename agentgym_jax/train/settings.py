@@ -68,11 +68,12 @@ def _hparams(algo: Mapping[str, Any], owner: str, declared: Sequence[str], regis
 
 def forward_pass(config: ml_collections.ConfigDict, model: ModelConfig) -> Forward:
     """How the trainer runs `model`: `config.model`'s compute dtype, remat, log-prob chunk, attention
-    kernels and LoRA scale."""
+    kernels, LoRA scale and a mixture of experts' load-balancing weight (`router_aux_coef`)."""
     try:
         return Forward(model, compute_dtype=config.model.compute_dtype, remat=config.model.remat,
                        logprob_chunk=config.model.logprob_chunk, logprobs_at=config.model.get("logprobs_at", "all"),
-                       kernels=job_settings.attention_kernels(config), lora_scale=job_settings.tuning(config).lora_scale)
+                       kernels=job_settings.attention_kernels(config), lora_scale=job_settings.tuning(config).lora_scale,
+                       router_aux_coef=config.model.get("router_aux_coef", 0.0))
     except ValueError as e:
         raise ConfigError(f"config.model: {e}") from e
 
