@@ -31,7 +31,7 @@ from configs import agent_movie
 from configs import eval as eval_config
 from configs import quickstart
 from tests.agent_programs import LIES
-from tests.rl_runs import REPO, TINY_RL_JOB, launch_command
+from tests.rl_runs import REPO, TINY_RL_JOB, launch_command, with_compile_cache
 from tests.test_multihost import Processes
 
 AGENT = "tests.agent_programs:play"
@@ -213,26 +213,28 @@ def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online
 
 @pytest.mark.slow
 def test_a_killed_online_job_resumes_and_trains_on_no_episode_twice(tmp_path):
-    """The agent SIGKILLs the job (its own process: a thread agent) during step 2's episodes, once
-    checkpoint 2 is written; the same command resumes at step 2 and finishes."""
+    """The agent SIGKILLs the job (its own process: a thread agent) during step 1's episodes, once
+    checkpoint 1 is written; the same command resumes at step 1 and finishes (loading what the
+    first launch compiled, as a restarted job does)."""
     workdir = tmp_path / "job"
-    kwargs = json.dumps({"kill_once_after": str(workdir / "checkpoints" / "2"), "marker": str(tmp_path / "killed")})
+    kwargs = json.dumps({"kill_once_after": str(workdir / "checkpoints" / "1"), "marker": str(tmp_path / "killed")})
     overrides = {k: v for k, v in TINY_RL_JOB.items()} | {
-        "workdir": workdir, "train.steps": 3, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 1,
+        "workdir": workdir, "train.steps": 2, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 1,
         "sft.epochs": 1, "env.agent": "tests.agent_programs:play", "env.agent_kwargs": kwargs}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(REPO)}
+    env = with_compile_cache({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(REPO)},
+                             tmp_path / "jax_cache")
     command = launch_command("configs/quickstart.py", overrides)
     first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == -9 and (tmp_path / "killed").exists(), first.stderr[-3000:]
-    assert not (workdir / "checkpoints" / "3").exists()
+    assert not (workdir / "checkpoints" / "2").exists()
     second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0 and "resumed from step 2" in second.stderr, second.stderr[-3000:]
+    assert second.returncode == 0 and "resumed from step 1" in second.stderr, second.stderr[-3000:]
     metrics = read_metrics(str(workdir / "metrics.jsonl"))
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2]
     trajectories = list(read_jsonl(str(workdir / "trajectories.jsonl")))
     keys = [(t.train_step, t.group_id, t.sample_idx) for t in trajectories]
-    assert len(keys) == len(set(keys)) == 3 * 2 * 2  # steps x tasks x samples, each once
-    assert sorted({t.group_id for t in trajectories if t.train_step == 2}) == [4, 5]  # the task cursor: batch 2
+    assert len(keys) == len(set(keys)) == 2 * 2 * 2  # steps x tasks x samples, each once
+    assert sorted({t.group_id for t in trajectories if t.train_step == 1}) == [2, 3]  # the task cursor: batch 1
 
 
 @pytest.mark.slow
