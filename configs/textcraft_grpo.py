@@ -56,6 +56,9 @@ def settings() -> ml_collections.ConfigDict:
     config.algo.kl_coef = 0.001
     config.algo.kl_estimator = "low_var_kl"
     config.algo.kl_in_reward = False  # use_kl_loss=True
+    # Plain rows: the ~500-token prompt is ~5% of a 10k-token episode here, and a micro-batch holds one
+    # row per device (configs/models.py); a group packed as one prefix tree would put 8 rows on a device.
+    config.algo.shared_prefix = False
 
     config.optim.lr = 1e-6
     config.optim.warmup_steps = 0

@@ -21,6 +21,11 @@ runs; afterwards `seconds` holds each answer's latency (e.g. to show the server 
 Keyword arguments become `--key=value` flags of `environments.serve` (`key=True`: a bare `--key`); `env_vars` adds to the
 subprocess environment (e.g. `{"PYTHONHASHSEED": "1"}`). The server binds a free port on
 127.0.0.1, the call returns once `/health` answers, and the process is killed on exit.
+
+`uid=N` (from root) runs the server as that unprivileged uid: `setpriv` drops to it keeping only
+CAP_DAC_READ_SEARCH, which the interpreter under /root (mode 700 on these machines) needs to
+start, and the server clears that from what its children inherit before it serves, so bwrap,
+the sandboxes and everything else it starts run as a plain uid.
 """
 
 from __future__ import annotations
@@ -43,12 +48,21 @@ import psutil
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# An unprivileged server's start: no ambient capability for its children, then `environments.serve`.
+_AS_UID = ("import ctypes, runpy, sys\n"
+           "ctypes.CDLL(None).prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL\n"
+           "runpy.run_module('environments.serve', run_name='__main__', alter_sys=True)\n")
+
+
 @contextlib.contextmanager
 def start_server(env: str, *, env_vars: dict[str, str] | None = None, timeout_s: float = 60.0,
-                 **flags: object) -> Iterator[str]:
-    """Runs `python -m environments.serve --env=<env> --port=0 ...` and yields its base URL."""
+                 uid: int | None = None, **flags: object) -> Iterator[str]:
+    """Runs `python -m environments.serve --env=<env> --port=0 ...` (as `uid` if given) and yields its base URL."""
     flags.setdefault("port", 0)
     cmd = [sys.executable, "-m", "environments.serve", f"--env={env}"]
+    if uid is not None:
+        cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=+dac_read_search",
+               "--ambient-caps=+dac_read_search", sys.executable, "-c", _AS_UID, f"--env={env}"]
     cmd += [f"--{key}" if value is True else f"--{key}={value}" for key, value in flags.items()]
     proc_env = {**os.environ, **(env_vars or {})}
     proc_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), proc_env.get("PYTHONPATH")]))

@@ -116,6 +116,11 @@ def test_actions_are_read_from_the_reply():
     assert code_action("Action: `wc -l data/names.txt`") == "wc -l data/names.txt"
     assert code_action("echo no marker") == "echo no marker"
     assert code_action("Thought: nothing.\nAction:   ") is None
+    # a marker inside a fenced block is part of the code (it used to cut the action there)
+    fenced = "Thought: log it.\nAction:\n```bash\necho 'Action: done' >> log.txt\ncat log.txt\n```"
+    assert code_action(fenced) == "echo 'Action: done' >> log.txt\ncat log.txt"
+    assert code_action("```bash\necho Action: one\n```") == "echo Action: one"
+    assert code_action("Action: ls\n```\nAction: inside an unclosed fence") == "ls\n```\nAction: inside an unclosed fence"
 
 
 def test_observations_show_stdout_stderr_exit_code_and_limits(url):

@@ -9,13 +9,15 @@ import concurrent.futures
 import dataclasses
 import gzip
 import json
+import math
 import random
 
 import pytest
 
 from environments.code import env as code_env
-from environments.code import problems
+from environments.code import grading, plain, problems
 from environments.code.env import MAX_TURNS, CodeEnv
+from environments.sandbox import Sandbox
 from tests.servers import request_json, start_server
 
 TRUNCATE = 2  # HumanEval/2 truncate_number: three public tests
@@ -55,24 +57,97 @@ def test_public_tests_are_self_contained_asserts_of_check():
 
 
 def test_the_canonical_solutions_pass_public_and_hidden_tests_on_every_problem():
-    def play(task_id: int) -> tuple[list[str], bool]:
-        env = CodeEnv()
-        try:
-            env.reset(task_id)
-            observations = []
-            for _ in range(3):
-                result = env.step(env.oracle_action())
-                observations.append(result.observation)
-            return observations, result.done and result.reward == 1.0 and env.verify()
-        finally:
-            env.close()
+    """All 164, graded the way `run` and `submit` grade (a sandbox per worker, reused across
+    problems); the whole write/run/submit loop runs in `test_the_canonical_solution_solves_the_problem`
+    and in the shared oracle sweep of the test split (`tests/test_environments.py`)."""
+    def grade_all(task_ids: list[int]) -> list[tuple[int, dict, dict]]:
+        graded = []
+        with Sandbox(code_env.LIMITS, hidden_paths=[problems.DATA_DIR]) as sandbox:
+            for task_id in task_ids:
+                problem = problems.all_problems()[task_id]
+                sandbox.write({problems.SOLUTION_FILE: problem.prompt + problem.canonical_solution})
+                public, hidden = (grading.grade(sandbox, problem, mode) for mode in ("public", "hidden"))
+                graded.append((task_id, public, hidden))
+        return graded
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        played = list(pool.map(play, range(len(problems.all_problems()))))
-    assert [i for i, (_, ok) in enumerate(played) if not ok] == []
-    for problem, (observations, _) in zip(problems.all_problems(), played):
-        count = len(problem.public_tests)
-        assert f"{count} of {count} public tests passed\nexit code: 0" in observations[1], observations[1]
+    workers = 4
+    ids = list(range(len(problems.all_problems())))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        graded = [g for part in pool.map(grade_all, [ids[w::workers] for w in range(workers)]) for g in part]
+    assert sorted(task_id for task_id, _, _ in graded) == ids
+    assert [(task_id, hidden.lines) for task_id, _, hidden in graded if hidden.passed != 1] == []
+    for task_id, public, _ in graded:
+        assert public.passed == len(problems.all_problems()[task_id].public_tests), (task_id, public.lines)
+
+
+def test_a_solution_that_mentions_action_in_its_code_is_not_cut():
+    code = ("def truncate_number(number):\n    note = 'Action: submit'  # text a reply parser must not cut at\n"
+            "    return number % 1.0")
+    action = CodeEnv.parse_action(f"Thought: done.\nAction:\nwrite\n```python\n{code}\n```")
+    env = CodeEnv()
+    env.reset(TRUNCATE)
+    assert env.step(action).observation == "Saved solution.py (3 lines)."
+    result = env.step("submit")
+    env.close()
+    assert result.reward == 1.0
+
+
+PLAIN_VALUES = [None, True, False, 0, -7, 10**40, 0.1, -0.0, float("inf"), float("-inf"), 1e308, "", "é\u2028\ud800",
+                b"\x00\xff", 2 - 3j, [], [1, [2, [3]]], (), (1, "a", (2.5,)), {"a": 1, 2: [3], (1, 2): {"x": None}},
+                {1, 2, 3}, frozenset({"a"}), set(), {"nested": [(1, {2}), {3: (4,)}]}]
+
+
+def _same(a, b) -> bool:
+    """Equal, of exactly the same types all the way down (1 == 1.0 == True is not enough)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and a == 0:
+        return str(a) == str(b)  # -0.0 stays -0.0
+    return a == b
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=repr)
+def test_plain_values_cross_the_boundary_unchanged(value):
+    assert _same(plain.decode(json.loads(json.dumps(plain.encode(value), allow_nan=False))), value)
+
+
+def test_nan_crosses_and_what_is_not_plain_is_refused():
+    assert math.isnan(plain.decode(json.loads(json.dumps(plain.encode(float("nan"))))))
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    class Integer(int):
+        pass
+
+    nested = []
+    for _ in range(plain.MAX_DEPTH + 2):
+        nested = [nested]
+    for value in (Anything(), Integer(3), (x for x in ()), print, [1, Anything()], {"k": Integer(1)}, nested):
+        with pytest.raises(plain.NotPlain):
+            plain.encode(value)
+    for tree in ({"tuple": 1}, {"float": "1.5"}, {"object": []}, {"dict": [[1]]}, {"tuple": [], "set": []}):
+        with pytest.raises(plain.NotPlain):
+            plain.decode(tree)
+
+
+def test_the_canonical_solution_solves_the_problem():
+    env = CodeEnv()
+    env.reset(TRUNCATE)
+    observations = [env.step(env.oracle_action()).observation for _ in range(2)]
+    result = env.step(env.oracle_action())
+    env.close()
+    assert observations == ["Saved solution.py (10 lines).",
+                            "passed: assert truncate_number(3.5) == 0.5\n"
+                            "passed: assert abs(truncate_number(1.33) - 0.33) < 1e-06\n"
+                            "passed: assert abs(truncate_number(123.456) - 0.456) < 1e-06\n"
+                            "3 of 3 public tests passed"]
+    assert result.done and result.reward == 1.0 and env.verify()
 
 
 @pytest.mark.parametrize("name, code", [
@@ -102,7 +177,8 @@ def test_a_full_disk_is_an_observation_not_a_broken_session():
                                          "for i in $(seq 10000); do echo x > /work/f$i || break; done')")))
     env.step("run")
     saved = env.step(CodeEnv.parse_action(_write("def truncate_number(number):\n    return number % 1.0\n" * 2000)))
-    assert saved.observation.startswith("Could not save solution.py (OSError: [Errno 28] No space left on device")
+    assert saved.observation.startswith("Could not save solution.py (cannot write solution.py (OSError: [Errno 28] "
+                                        "No space left on device")
     assert env.step("run").observation == "There is no solution.py yet: `write` one first."
     env.close()
 
@@ -114,7 +190,7 @@ def test_the_hidden_data_is_not_in_the_sandbox():
     env.step(CodeEnv.parse_action(_write(probe)))
     ran = env.step("run")
     env.close()
-    assert ran.observation.startswith("stdout:\nFalse\npassed:")  # the package's data file is not visible
+    assert ran.observation.endswith("3 of 3 public tests passed\nYour program's own output:\nstdout:\nFalse\nexit code: 0")
 
 
 def test_run_shows_failures_and_tracebacks_through_the_server(url):
@@ -132,15 +208,22 @@ def test_run_shows_failures_and_tracebacks_through_the_server(url):
     assert early["info"]["invalid_action"] and early["observation"] == "There is no solution.py yet: `write` one first."
     assert step(_write("def truncate_number(number):\n    return round(number)"))["observation"] == "Saved solution.py (2 lines)."
     failed = step("Thought: test it.\nAction: run")
-    assert failed["observation"].startswith("stdout:\nFAILED: assert truncate_number(3.5) == 0.5 (got 4)\n"
+    assert failed["observation"].startswith("FAILED: assert truncate_number(3.5) == 0.5 (got 4)\n"
                                             "FAILED: assert abs(truncate_number(1.33) - 0.33) < 1e-06 (got 0.66999")
-    assert failed["observation"].endswith("0 of 3 public tests passed\nexit code: 1") and failed["reward"] == 0
+    assert failed["observation"].endswith("0 of 3 public tests passed") and failed["reward"] == 0
+    step(_write("def truncate_number(number):\n    print('debugging', number)\n    return 1 / 0 if number > 100 else number % 1"))
+    mixed = step("run")["observation"]
+    assert mixed.startswith("passed: assert truncate_number(3.5) == 0.5\npassed: assert abs(truncate_number(1.33)")
+    assert ("ERROR: assert abs(truncate_number(123.456) - 0.456) < 1e-06: the function raised ZeroDivisionError: "
+            "division by zero\n2 of 3 public tests passed\nYour program's own output:\nstdout:\ndebugging 3.5\n") in mixed
+    assert mixed.endswith("debugging 123.456\nexit code: 0")
     step(_write("def truncate_number(number)\n    return 0"))
-    broken = step("run")
-    assert 'File "solution.py", line 1' in broken["observation"] and "SyntaxError" in broken["observation"]
-    assert step("compile it")["info"]["invalid_action"] is True
+    broken = step("run")["observation"]
+    assert broken.startswith("ERROR: assert truncate_number(3.5) == 0.5: the function gave no answer (its program had ended)")
+    assert 'File "solution.py", line 1' in broken and "SyntaxError" in broken and broken.endswith("exit code: 1")
     step(_write("def truncate_number(number):\n    return number % 1.0"))
-    assert step("run")["observation"].endswith("3 of 3 public tests passed\nexit code: 0")
+    assert step("run")["observation"].endswith("passed: assert abs(truncate_number(123.456) - 0.456) < 1e-06\n"
+                                               "3 of 3 public tests passed")
     done = step("submit")
     assert done["done"] and done["reward"] == 1.0 and done["info"]["success"] is True
     request_json(url, "POST", "/close", {"id": session})

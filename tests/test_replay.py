@@ -6,8 +6,8 @@ policy plays on from the state they left. A scripted policy that plays the rest 
 actions solves the task in exactly the turns left (so the replayed state is the real one); the
 ids are the demonstration's, which SFT trains on, and the chat template's own rendering of the
 conversation. A tiny random decoder shows the slot engine prefilling a group's replayed prompt
-once, the turn-batched engine's trajectories token for token, and the group packing with the
-replayed prefix shared.
+once, the turn-batched engine's trajectories token for token, and the group packed as one prefix
+tree with the replayed prefix laid out once, scored as the plain rows are.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.demonstrations import ACTION_ONLY, demonstration_trajectory, play_oracle_episodes
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
-from agentgym_jax.rollout.packing import prefix_tree
+from agentgym_jax.rollout.packing import pack_groups, prefix_tree
 from agentgym_jax.sampling.sampler import Sampler, SamplerWork
+from agentgym_jax.train import scoring
 from environments.room import env as room
 from tests.servers import start_server
 from tests.test_rollout import ScriptedSampler, random_params
+from tests.updates import update as make_update
 
 # env -> (a training task with a few oracle turns, how its oracle writes actions, the oracle, function calling)
 ENVS = {
@@ -128,7 +130,7 @@ def test_slot_engine_prefills_a_replayed_prompt_once_and_the_group_packs_it_once
     the slot engine gives the turn-batched engine's trajectories token for token, with one prefill
     of the replayed prompt (the second episode copies it), as the turn-batched engine prefills both
     rows in one call; the group's two rows, packed as a prefix tree, share the whole replayed prompt."""
-    sampler, _, params = sampler
+    sampler, model, params = sampler
     task, action_format, _, _ = ENVS["room"]
     base = RolloutConfig(group_size=2, max_tokens_per_turn=8, straggler_wait_s=0.0)
     runs = {}
@@ -153,3 +155,13 @@ def test_slot_engine_prefills_a_replayed_prompt_once_and_the_group_packs_it_once
     tokens, _, _, origins = prefix_tree(rows)
     shared = int(np.sum(origins[0][: min(map(len, rows))] == origins[1][: min(map(len, rows))]))
     assert shared >= prefix and len(tokens) == len(rows[0]) + len(rows[1]) - shared
+    # The group as the RL step trains it (`algo.shared_prefix`): one prefix tree with the replayed
+    # prompt laid out once and out of the loss, every policy token scored as the plain rows score it.
+    batch = make_token_batch(runs["turns"])
+    packed = pack_groups(batch, rows_per_unit=2)
+    assert int((np.asarray(packed.layout.positions) >= 0).sum()) == len(tokens)
+    mask = np.asarray(packed.loss_mask) > 0
+    assert mask.any() and not mask[:, :prefix].any()
+    forward = make_update(model).forward
+    score = jax.jit(lambda batch: scoring.score(params, batch, forward)[0])
+    np.testing.assert_allclose(np.asarray(score(packed))[mask], np.asarray(score(batch))[mask], rtol=1e-5, atol=1e-6)

