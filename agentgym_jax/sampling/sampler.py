@@ -855,7 +855,8 @@ class Sampler:
         `steps`, bucketed: rows between turns (waiting on their environment) or free cost
         nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Returns
         the state, the turn (host) and the chunk's (tokens, logprobs, raw_logprobs) [batch, steps]
-        (inactive rows: pad_id / 0) and every row's index.
+        (inactive rows: pad_id / 0), a mixture of experts' routing of each sampled token (experts
+        [batch, steps, layers, k], -1 where none; None for a dense model) and every row's index.
         """
         batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
@@ -871,8 +872,12 @@ class Sampler:
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
         self.work.add_decode(k, turn.count - count)
         out = []
-        for a, fill in zip(arrays[:3], (self.config.pad_id, 0, 0)):  # (the slot engine keeps no routing)
-            full = np.full((batch, steps), fill, np.asarray(a).dtype)
-            full[active] = np.asarray(a)[: len(active)]
+        for a, fill in zip(arrays, (self.config.pad_id, 0, 0, -1)):
+            if a is None:  # a dense model's routing
+                out.append(None)
+                continue
+            a = np.asarray(a)
+            full = np.full((batch, *a.shape[1:]), fill, a.dtype)
+            full[active] = a[: len(active)]
             out.append(full)
         return state.replace(cache=cache, logits=logits), turn, (*out, np.asarray(cache.index))
