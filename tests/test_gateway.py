@@ -67,7 +67,7 @@ def academia_url():
 
 @pytest.fixture(scope="module")
 def gateway(policy, tmp_path_factory):
-    """(base URL, out_dir) of a gateway process serving the policy with two sampler rows and at
+    """(base URL, out_dir, output lines, process) of a gateway process serving the policy with two sampler rows and at
     most four requests in flight."""
     out_dir = tmp_path_factory.mktemp("gateway")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
@@ -198,7 +198,7 @@ def test_the_viewer_reads_a_gateway_run_on_its_own(gateway, policy):
     from agentgym_jax.view.__main__ import open_runs
     from agentgym_jax.view.episode import episode_view
 
-    base_url, out_dir = gateway
+    base_url, out_dir, _, _ = gateway
     spec = json.loads((out_dir / "run.json").read_text())
     assert spec["mode"] == "gateway" and spec["policy"] == f"hf:{policy[0]}" and spec["temperature"] == 1.0
     good = {"model": "policy", "messages": [{"role": "user", "content": "Which venue?"}], "max_tokens": 3}
@@ -324,7 +324,8 @@ def test_a_new_user_s_requests_are_answered_as_openai_clients_expect(gateway, po
     answer = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Go."}], tools=[tool])
     prompt = tokenizer.decode(answer.model_extra["agentgym"]["prompt_token_ids"])
     assert prompt.startswith("<|im_start|>system\n# Tools\n") and json.dumps(tool) in prompt  # ChatML writes no tool list
-    for k in range(40):  # until a reply ends on its own (its last sampled id is the end-of-turn token)
+    for k in range(400):  # until a reply ends on its own (its last sampled id is the end-of-turn token;
+        # about one reply in 50 of this policy does, and a reply costs milliseconds)
         answer = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"Go {k}."}],
                                                 logprobs=True)
         if answer.choices[0].finish_reason == "stop":
