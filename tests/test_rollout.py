@@ -549,13 +549,21 @@ def test_bad_config_and_sampler_are_refused(framing, sampler, task_info):
         RolloutEngine(bad, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=8))
     with pytest.raises(ValueError, match="max_new_tokens"):
         RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW + 1))
+    with pytest.raises(ValueError, match="record_experts needs a sampler that returns the experts"):
+        RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW, record_experts=True))
     with pytest.raises(ValueError, match="action_format"):
         run_sync(demonstrations.play_oracle_episodes(EnvPool("http://127.0.0.1:1"), [0], action_format="Action:"))
 
 
 def test_a_dense_policy_refuses_to_record_experts(framing, model, sampler, maze_url, task_info):
+    """Refused where the sampler is built; a sampler whose step returns no experts though its
+    config asks for them (the shared one, relabelled) is refused at its first turn."""
     config = RolloutConfig(max_tokens_per_turn=MAX_NEW, record_experts=True)
-    with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+    with pytest.raises(ValueError, match="return_experts needs a mixture of experts; qwen2 routes no experts"):
+        Sampler.for_decoder(model[0], config.sampling_config(framing), max_cache_len=256)
+    recorder = RecordingSampler(sampler)
+    recorder.config = dataclasses.replace(sampler.config, return_experts=True)
+    with RolloutEngine(recorder, framing, EnvPool(maze_url), task_info, config) as engine:
         with pytest.raises(ValueError, match="rollout.record_experts needs a mixture-of-experts policy"):
             engine.run(model[1], [0], 1, jax.random.key(0), policy_version=0)
 

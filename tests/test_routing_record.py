@@ -11,9 +11,11 @@ Qwen3-MoE built here (routers spread, so no top-k is a near tie), no download.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,8 +31,11 @@ from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.packing import pack_groups
 from agentgym_jax.rollout.trajectory import Trajectory, expert_array, expert_record, read_jsonl, write_jsonl
 from agentgym_jax.rollout.transcript import Transcript
-from agentgym_jax.sampling.sampler import Sampler
+from agentgym_jax.sampling.config import SamplingConfig
+from agentgym_jax.sampling.sampler import Sampler, Turn, decode
+from agentgym_jax.sampling.step import decoder_step
 from agentgym_jax.train import settings, steps
+from agentgym_jax.train.scoring import Forward, score
 from configs import quickstart
 from environments.maze import env as maze
 from tests.servers import start_server
@@ -97,6 +102,25 @@ def test_experts_are_kept_token_aligned_in_jsonl_and_the_token_batch(tmp_path):
         transcript.add_policy_turn([14], [-1.0])
 
 
+def test_nothing_is_carried_or_kept_when_off(tmp_path):
+    """Off (the default), the sampler's decode loop carries no experts (traced, not compiled), the
+    rollout asks for none, the token batch holds none and scoring returns no comparison."""
+    config, params = moe(64)
+    cache, logits = decoder.init_cache(config, 2, 16), jnp.zeros((2, 64))
+    turn = Turn.start(np.ones(2, bool), np.full(2, 4))
+    for on in (False, True):
+        steps4 = functools.partial(decode, decoder_step(config), SamplingConfig(max_new_tokens=4, return_experts=on),
+                                   decoder.unstack_layers, 4, False)
+        experts = jax.eval_shape(steps4, params, cache, logits, turn, jax.random.key(0))[3][3]
+        assert (experts.shape == (2, 4, config.num_layers, 2)) if on else experts is None
+    framing = ChatFraming(load_tokenizer(bt.build_tokenizer(tmp_path / "tok", [maze.INSTRUCTION], vocab_size=1024)))
+    assert not RolloutConfig().record_experts and not RolloutConfig().sampling_config(framing).return_experts
+    batch = group_rows(groups=1, size=4)
+    assert batch.experts is None
+    scores = jax.eval_shape(functools.partial(score, forward=Forward(config)), params, batch)
+    assert len(scores) == 3  # log-probs, entropies, values: no routing comparison
+
+
 def routed(config: ModelConfig, params, batch) -> np.ndarray:
     """[rows, seq, layers, k] int16 the experts the decoder routes each loss-masked token of the
     plain rows to (-1 elsewhere): a sampler's record where it routed as the trainer does."""
@@ -143,6 +167,7 @@ def test_routing_mismatch_is_zero_alike_and_a_hand_count_when_the_record_differs
                 assert (rows.layout is not None) == (layout == "packed")
                 rl_batch, metrics = fns.prepare(params, params, rows)
                 assert ("routing_mismatch" in metrics) == cfg.scores_rollouts
+                assert (rl_batch.experts is None) == cfg.scores_rollouts  # compared once
                 if not cfg.scores_rollouts:
                     metrics = rl_loss(params, rl_batch, config=cfg)[1]
                 np.testing.assert_allclose(float(metrics["routing_mismatch"]), want, rtol=1e-6,

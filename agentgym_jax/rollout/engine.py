@@ -121,6 +121,7 @@ class RolloutConfig:
                 "top_p": self.top_p,
                 "eot_ids": framing.end_of_turn_ids,
                 "return_raw_logprobs": True,  # what trajectories store: see `_sample_turn`
+                "return_experts": self.record_experts,
                 **overrides,
             }
         )
@@ -227,6 +228,9 @@ class RolloutEngine:
             )
         if not sampler.config.return_raw_logprobs:
             raise ValueError("the sampler must return raw log-probs (what trajectories store); "
+                             "build it with config.sampling_config(framing)")
+        if config.record_experts and not sampler.config.return_experts:
+            raise ValueError("rollout.record_experts needs a sampler that returns the experts; "
                              "build it with config.sampling_config(framing)")
         if config.tool_calls and framing.tool_error:
             raise ValueError(f"rollout.tool_calls: {framing.tool_error}")

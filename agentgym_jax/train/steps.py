@@ -243,7 +243,9 @@ class RLBatch:
     returns: jax.Array  # [batch, seq]
     is_weights: jax.Array  # [batch, seq] off-policy weights of each token's loss; ones when off
     layout: PackedRows | None = None  # the rows packed as prefix trees (the `TokenBatch`'s); None: plain rows
-    experts: jax.Array | None = None  # [batch, seq, layers, k] the sampler's routing (the `TokenBatch`'s); None: not recorded
+    # [batch, seq, layers, k] the sampler's routing (the `TokenBatch`'s) where the update's forward
+    # pass compares it (no scoring pass: `prepare` compared it); else None
+    experts: jax.Array | None = None
 
 
 def prepare(
@@ -297,7 +299,7 @@ def prepare(
         returns=returns,
         is_weights=is_weights,
         layout=batch.layout,
-        experts=batch.experts,
+        experts=None if config.scores_rollouts else batch.experts,
     )
     return rl_batch, metrics
 
@@ -377,9 +379,8 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
     Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
     sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl, aux = config.rl, int(_router_aux(config))
-    compare = batch.experts is not None and not config.scores_rollouts  # else `prepare` compares the routings
     logprobs, entropy, values, *extra = score(params, batch, config.forward, rl.temperature, rl.shared_value_head,
-                                              bool(aux), compare)
+                                              bool(aux), batch.experts is not None)
     router, differs = extra[:aux], extra[aux:]
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
