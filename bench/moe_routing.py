@@ -42,7 +42,7 @@ PRECISIONS = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.bflo
 
 def measure(config: ModelConfig, params, rows: int, prompt: int, new: int, sampler_dtype, trainer_dtype, seed: int):
     """(mismatch over every layer, per-layer mismatch [layers], sampled tokens) of one precision pair."""
-    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=new, temperature=1.0),
+    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=new, temperature=1.0, return_experts=True),
                                   max_cache_len=prompt + new, dtype=sampler_dtype)
     weights = sampler.sampling_params(params)
     prompts = np.random.default_rng(seed).integers(3, config.vocab_size, (rows, prompt)).tolist()

@@ -108,6 +108,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Function calling (docs/tools.md): the tools in the prompt, replies read as calls, answers as tool
     # messages; for a tool environment's demonstrations set sft.oracle=tool_call and action_format={action}.
     config.rollout.tool_calls = False
+    # A mixture of experts (docs/models.md): keep each policy token's experts (layers x top-k ids) in the
+    # trajectories, so the update reports `routing_mismatch` (trainer vs sampler routing). Off: at
+    # Qwen3-30B-A3B's 48 layers x 8 that is ~1.2 kB of JSON per policy token.
+    config.rollout.record_experts = False
     # Asynchronous RL (docs/algorithms.md, "Asynchronous RL"): 0 samples every step's episodes with
     # the newest weights and then updates (synchronous). k > 0: the sampler keeps generating while the
     # trainer updates, with the newest weights it has (an episode in flight takes new weights as they

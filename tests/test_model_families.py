@@ -128,7 +128,7 @@ def test_router_top_k_and_load_balancing_loss_match_transformers(loaded):
 
     # The sampler records the experts each sampled token went to (as it went into the cache, one
     # token a step): the training pass over the same tokens routes them alike.
-    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=TURN, temperature=1.0), max_cache_len=32,
+    sampler = Sampler.for_decoder(config, SamplingConfig(max_new_tokens=TURN, temperature=1.0, return_experts=True), max_cache_len=32,
                                   batch_buckets=(3,), chunk_buckets=(32,), cache_buckets=(32,))
     prompts = [row[: int(n)].tolist() for row, n in zip(tokens, real.sum(axis=1))]
     _, turn = sampler.generate(params, sampler.prefill(params, prompts), jax.random.key(0))

@@ -188,6 +188,7 @@ def test_golden_trajectories_are_token_exact(framing, model, sampler, maze_url, 
         np.testing.assert_array_equal(np.asarray(batch.token_rewards[row]), expected_rewards)
         # Decoding: the stored text is the decoding of the ids, pieces in order.
         assert t.text == tokenizer.decode(t.token_ids)
+        assert t.experts == []  # kept only with `record_experts`
         assert t.text.startswith(tokenizer.decode(prompt))
         position = 0
         for observation in observations[1:-1]:
@@ -514,6 +515,7 @@ def test_oracle_demonstrations_are_token_exact(framing, maze_url, task_info, act
         after = list(framing.after_end_of_turn_ids)  # the template's "\n" after the last turn
         assert t.token_ids + after == list(reference)
         assert t.text == tokenizer.decode(t.token_ids)
+        assert t.experts == []  # kept only with `record_experts`
         # loss_mask: 1 exactly on each assistant content + end-of-turn; log-probs all 0.
         spans = [tokenizer.decode(t.token_ids[s:e]) for s, e in t.turn_spans]
         assert spans == [action_format.format(action=m) + "<|im_end|>" for m in moves]
@@ -547,8 +549,23 @@ def test_bad_config_and_sampler_are_refused(framing, sampler, task_info):
         RolloutEngine(bad, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=8))
     with pytest.raises(ValueError, match="max_new_tokens"):
         RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW + 1))
+    with pytest.raises(ValueError, match="record_experts needs a sampler that returns the experts"):
+        RolloutEngine(sampler, framing, pool, task_info, RolloutConfig(max_tokens_per_turn=MAX_NEW, record_experts=True))
     with pytest.raises(ValueError, match="action_format"):
         run_sync(demonstrations.play_oracle_episodes(EnvPool("http://127.0.0.1:1"), [0], action_format="Action:"))
+
+
+def test_a_dense_policy_refuses_to_record_experts(framing, model, sampler, maze_url, task_info):
+    """Refused where the sampler is built; a sampler whose step returns no experts though its
+    config asks for them (the shared one, relabelled) is refused at its first turn."""
+    config = RolloutConfig(max_tokens_per_turn=MAX_NEW, record_experts=True)
+    with pytest.raises(ValueError, match="return_experts needs a mixture of experts; qwen2 routes no experts"):
+        Sampler.for_decoder(model[0], config.sampling_config(framing), max_cache_len=256)
+    recorder = RecordingSampler(sampler)
+    recorder.config = dataclasses.replace(sampler.config, return_experts=True)
+    with RolloutEngine(recorder, framing, EnvPool(maze_url), task_info, config) as engine:
+        with pytest.raises(ValueError, match="rollout.record_experts needs a mixture-of-experts policy"):
+            engine.run(model[1], [0], 1, jax.random.key(0), policy_version=0)
 
 
 def test_padding_stays_inside_the_vocabulary(framing, model):

@@ -252,7 +252,7 @@ class Batcher:
         """One chunk of decode steps; the turns that ended answer their requests."""
         rows = np.flatnonzero(self.turn.active)
         count = self.turn.count.copy()
-        self.state, self.turn, (tokens, _, raw_logprobs, index) = await self.call(
+        self.state, self.turn, (tokens, _, raw_logprobs, _, index) = await self.call(
             f"decode of {len(rows)} rows at {int(self.index[rows].max())} tokens", self.sampler.decode_chunk,
             self.params, self.state, self.turn, self.rng, self.decode_steps, self.index.copy())
         for row in rows:

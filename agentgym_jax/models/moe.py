@@ -74,13 +74,19 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> jax.Array:
     return num_experts * jnp.sum(load * importance)
 
 
+def differing_layers(experts: jax.Array, other: jax.Array) -> jax.Array:
+    """[...] int32: at each token, the layers whose chosen expert sets differ between two runs
+    (the order within a layer's k does not count). experts, other [layers, ..., k]."""
+    differ = jnp.any(jnp.sort(experts, axis=-1) != jnp.sort(other, axis=-1), axis=-1)  # [layers, ...]
+    return jnp.sum(differ, axis=0, dtype=jnp.int32)
+
+
 def routing_mismatch(experts: jax.Array, other: jax.Array, real: jax.Array) -> jax.Array:
     """The share of (real token, layer) pairs whose chosen expert sets differ between two runs
     (the sampler's and the trainer's, say). experts, other [layers, batch, seq, k]; real
     [batch, seq] bool."""
-    same = jnp.all(jnp.sort(experts, axis=-1) == jnp.sort(other, axis=-1), axis=-1)  # [layers, batch, seq]
-    real = jnp.broadcast_to(real, same.shape)
-    return jnp.sum(real & ~same) / jnp.maximum(jnp.sum(real), 1)
+    differing = jnp.where(real, differing_layers(experts, other), 0)
+    return jnp.sum(differing) / (experts.shape[0] * jnp.maximum(jnp.sum(real), 1))
 
 
 class _Kernel(nn.Module):

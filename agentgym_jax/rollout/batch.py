@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import numpy as np
 
-from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.rollout.trajectory import Trajectory, expert_array
 
 
 @flax.struct.dataclass
@@ -31,6 +31,8 @@ class PackedRows:
     positions: jax.Array  # [units, width] int32: the token's depth (its index in its rows); -1 on padding
     ends: jax.Array  # [units, width] int32: the index past the token's subtree; 0 on padding (seen by nothing)
     sources: jax.Array  # [units, rows, seq] int32: where the hidden state predicting row token t sits; -1: none
+    origins: jax.Array  # [units, rows, seq] int32: where row token t itself sits (its routing); -1: padding.
+    # `sources` are these shifted by one: token t is predicted where token t - 1 sits.
 
     @property
     def rows_per_unit(self) -> int:
@@ -51,6 +53,9 @@ class TokenBatch:
     group_ids: jax.Array  # [batch] int32; rows of padding get their own unused group
     scores: jax.Array  # [batch] float32; the episode return (sum of turn rewards) per row
     layout: PackedRows | None = None  # the rows packed as prefix trees (`rollout/packing.py`); None: plain rows
+    # A mixture of experts' routing as the sampler recorded it (`Trajectory.experts`): [batch, seq,
+    # layers, k] int16, -1 where none (off the loss mask); None: not recorded.
+    experts: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -99,7 +104,8 @@ def make_token_batch(
     """Right-pads trajectories to `[batch_size, seq_len]` (buckets by default).
 
     Padding rows have an all-zero mask and a group id of their own, so they contribute nothing.
-    Group ids are renumbered densely (0..num_groups-1) in order of first appearance.
+    Group ids are renumbered densely (0..num_groups-1) in order of first appearance. Where a
+    trajectory recorded its experts, `experts` holds every row's (-1 where a row has none).
     """
     longest = max((len(t.token_ids) for t in trajectories), default=1)
     seq_len = seq_len or bucket(longest)
@@ -141,4 +147,22 @@ def make_token_batch(
         token_rewards=token_rewards,
         group_ids=group_ids,
         scores=scores,
+        experts=_expert_rows(trajectories, batch_size, seq_len),
     )
+
+
+def _expert_rows(trajectories: Sequence[Trajectory], batch_size: int, seq_len: int) -> np.ndarray | None:
+    """[batch_size, seq_len, layers, k] int16 the trajectories' recorded experts (-1 where none),
+    or None where no trajectory recorded any."""
+    recorded = {row: [i for i, e in enumerate(t.experts) if e] for row, t in enumerate(trajectories)}
+    recorded = {row: policy for row, policy in recorded.items() if policy}
+    if not recorded:
+        return None
+    rows = {row: expert_array([trajectories[row].experts[i] for i in policy]) for row, policy in recorded.items()}
+    shape = next(iter(rows.values())).shape[1:]
+    if any(a.shape[1:] != shape for a in rows.values()):
+        raise ValueError(f"trajectories record experts of different shapes: {sorted({a.shape[1:] for a in rows.values()})}")
+    experts = np.full((batch_size, seq_len, *shape), -1, np.int16)
+    for row, a in rows.items():
+        experts[row, recorded[row]] = a
+    return experts

@@ -91,6 +91,9 @@ class RolloutConfig:
     num_slots: int = 0  # > 0: continuous batching over this many sampler rows (`_SlotRollout`); 0: turn-batched
     decode_chunk: int = 16  # slots: decode steps between admissions / observation appends
     tool_calls: bool = False  # function calling: tools in the prompt, replies read as calls, results as tool messages
+    # A mixture of experts: keep each policy token's experts (layers x k ids) in its trajectory
+    # (`Trajectory.experts`), for the trainer's `routing_mismatch`; off: they are large at real sizes.
+    record_experts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_style", PromptStyle(self.prompt_style))
@@ -126,6 +129,7 @@ class RolloutConfig:
                 "top_p": self.top_p,
                 "eot_ids": framing.end_of_turn_ids,
                 "return_raw_logprobs": True,  # what trajectories store: see `_sample_turn`
+                "return_experts": self.record_experts,
                 **overrides,
             }
         )
@@ -199,6 +203,7 @@ class _LiveEpisode:
     turn_ids: list[int] = dataclasses.field(default_factory=list)  # slots: the turn being sampled
     turn_logprobs: list[float] = dataclasses.field(default_factory=list)
     turn_versions: list[int] = dataclasses.field(default_factory=list)  # slots: each token's policy version
+    turn_experts: list[np.ndarray] = dataclasses.field(default_factory=list)  # slots: the chunks' [tokens, layers, k]
     versions: list[int] = dataclasses.field(default_factory=list)  # slots: every sampled token's, in order
 
 
@@ -232,6 +237,9 @@ class RolloutEngine:
             )
         if not sampler.config.return_raw_logprobs:
             raise ValueError("the sampler must return raw log-probs (what trajectories store); "
+                             "build it with config.sampling_config(framing)")
+        if config.record_experts and not sampler.config.return_experts:
+            raise ValueError("rollout.record_experts needs a sampler that returns the experts; "
                              "build it with config.sampling_config(framing)")
         if config.tool_calls and framing.tool_error:
             raise ValueError(f"rollout.tool_calls: {framing.tool_error}")
@@ -530,10 +538,21 @@ class _Rollout:
                 continue
             count = int(turn.count[row])
             # Unfiltered log-probs at the sampling temperature: the policy the trainer recomputes.
-            self._end_turn(self.episodes[row], turn.tokens[row, :count], turn.raw_logprobs[row, :count], turn.stop[row])
+            self._end_turn(self.episodes[row], turn.tokens[row, :count], turn.raw_logprobs[row, :count], turn.stop[row],
+                           self._recorded(turn.experts, row, count))
 
-    def _end_turn(self, ep: _LiveEpisode, ids: np.ndarray, logprobs: np.ndarray, stop: int) -> None:
-        """Records a sampled turn and sends it as the action (or ends the episode on a budget)."""
+    def _recorded(self, experts: np.ndarray | None, row: int, count: int) -> np.ndarray | None:
+        """The experts [count, layers, k] of `row`'s first `count` sampled tokens where the rollout keeps them."""
+        if not self.config.record_experts:
+            return None
+        if experts is None:
+            raise ValueError("rollout.record_experts needs a mixture-of-experts policy; this sampler's model routes no experts")
+        return experts[row, :count]
+
+    def _end_turn(self, ep: _LiveEpisode, ids: np.ndarray, logprobs: np.ndarray, stop: int,
+                  experts: np.ndarray | None = None) -> None:
+        """Records a sampled turn (with its experts, where kept) and sends it as the action (or
+        ends the episode on a budget)."""
         if len(ids) == 0:  # no room left in the cache: the pending observation is not kept
             ep.status = EpisodeStatus.TOKEN_BUDGET
             return
@@ -541,7 +560,7 @@ class _Rollout:
         if ep.pending:
             ep.transcript.add_observation(ids=ep.pending)
             ep.pending = ()
-        ep.transcript.add_policy_turn(ids, logprobs)
+        ep.transcript.add_policy_turn(ids, logprobs, experts)
         stop = StopReason(int(stop))
         if stop is StopReason.CACHE_FULL or (
             stop is StopReason.TOKEN_LIMIT and ep.transcript.response_len >= self.config.max_response_length
@@ -770,14 +789,14 @@ class _SlotRollout(_Rollout):
         turn.seeds[rows] = [(ep.seed, ep.transcript.num_turns) for ep in starting]
         turn.stop[rows] = StopReason.TOKEN_LIMIT
         for ep in starting:
-            ep.turn_ids, ep.turn_logprobs, ep.turn_versions = [], [], []
+            ep.turn_ids, ep.turn_logprobs, ep.turn_versions, ep.turn_experts = [], [], [], []
 
     async def _decode_chunk(self) -> None:
         """One chunk of decode steps; turns that ended are recorded and sent as actions."""
         rows = np.flatnonzero(self.turn.active)
         count = self.turn.count.copy()
         steps = self.config.decode_chunk
-        self.state, self.turn, (tokens, _, raw_logprobs, index) = await self._in_sampler(
+        self.state, self.turn, (tokens, _, raw_logprobs, experts, index) = await self._in_sampler(
             lambda: self.sampler.decode_chunk(self.params, self.state, self.turn, self.rng, steps, self.index),
             [self.holder[row].slot for row in rows],
         )
@@ -788,8 +807,10 @@ class _SlotRollout(_Rollout):
             ep.turn_ids += tokens[row, :n].tolist()
             ep.turn_logprobs += raw_logprobs[row, :n].tolist()  # unfiltered, at the sampling temperature
             ep.turn_versions += [self.version] * n
+            if (chunk := self._recorded(experts, row, n)) is not None:
+                ep.turn_experts.append(chunk)
             self.index[row] = index[row]
             if not self.turn.active[row]:
                 ep.versions += ep.turn_versions
                 self._end_turn(ep, np.asarray(ep.turn_ids, np.int32), np.asarray(ep.turn_logprobs, np.float32),
-                               self.turn.stop[row])
+                               self.turn.stop[row], np.concatenate(ep.turn_experts) if ep.turn_experts else None)

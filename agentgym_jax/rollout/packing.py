@@ -12,7 +12,8 @@ plain row computes, and the gradient of every row's loss flows into the one shar
 `PackedRows` is what the trainer needs besides the rows themselves: the packed tokens, their
 depths and subtree ends, and for each row token the packed index whose hidden state predicts it
 (`sources`: the packed index of the token before it), so log-probs are taken where the rows'
-losses read them (`train/scoring.py`). Packing is host-side NumPy, once per batch, exact by
+losses read them (`train/scoring.py`), and each row token's own packed index (`origins`: where
+its routing through a mixture of experts is read). Packing is host-side NumPy, once per batch, exact by
 construction: a unit with nothing in common packs its rows one after another (packing without
 sharing, which still drops the padding between them).
 """
@@ -125,14 +126,16 @@ def pack(batch: TokenBatch, units: Sequence[Sequence[int]], rows_per_unit: int, 
     positions = np.full((num_units, width), -1, np.int32)
     ends = np.zeros((num_units, width), np.int32)
     sources = np.full((num_units, rows_per_unit, seq), -1, np.int32)
+    origins = np.full((num_units, rows_per_unit, seq), -1, np.int32)
     order = np.full(num_units * rows_per_unit, -1, np.int64)  # batch row of each result row; -1: empty
-    for u, (unit, (tree_tokens, tree_positions, tree_ends, origins)) in enumerate(zip(units, trees)):
+    for u, (unit, (tree_tokens, tree_positions, tree_ends, tree_origins)) in enumerate(zip(units, trees)):
         n = len(tree_tokens)
         tokens[u, :n], positions[u, :n], ends[u, :n] = tree_tokens, tree_positions, tree_ends
-        for r, (row, origin) in enumerate(zip(unit, origins)):
+        for r, (row, origin) in enumerate(zip(unit, tree_origins)):
             order[u * rows_per_unit + r] = row
+            origins[u, r, : len(origin)] = origin
             sources[u, r, 1 : len(origin)] = origin[:-1]  # token t is predicted at token t - 1
-    layout = PackedRows(tokens=tokens, positions=positions, ends=ends, sources=sources)
+    layout = PackedRows(tokens=tokens, positions=positions, ends=ends, sources=sources, origins=origins)
     return _reordered(batch, order).replace(layout=layout)
 
 
@@ -161,6 +164,7 @@ def _reordered(batch: TokenBatch, order: np.ndarray) -> TokenBatch:
         tokens=take(batch.tokens, 0), positions=take(batch.positions, -1), loss_mask=take(batch.loss_mask, 0),
         old_logprobs=take(batch.old_logprobs, 0), token_rewards=take(batch.token_rewards, 0),
         group_ids=group_ids, scores=take(batch.scores, 0),
+        experts=None if batch.experts is None else take(batch.experts, -1),
     )
 
 

@@ -4,6 +4,11 @@ Token in, token out (architecture rule 3): `token_ids` is the prompt, then per t
 produced followed by the ids appended for the environment's answer. `loss_mask` is 1 exactly on
 sampled ids (including the end-of-turn id the policy sampled). `text` is a decoding kept for
 reading only; nothing is ever re-tokenized from it.
+
+A mixture of experts' routing may be kept too (`rollout.record_experts`): `experts` holds, per
+token id, the experts each layer routed a policy token to as the sampler fed it into its cache
+(`expert_record`: "3,5 1,7" is layer 0's experts 3 and 5, layer 1's 1 and 7, most probable
+first), "" on every other token, so the trainer can compare its own routing with the sampler's.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from agentgym_jax.envs.protocol import EpisodeStatus
 
@@ -39,6 +46,8 @@ class Trajectory:
     replay_turns: int = 0  # oracle turns replayed before the policy's first (in the prompt, loss_mask 0)
     curriculum: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's standing when the
     # RL step drew it (`train/rl_signal.py`: its pass rate, the step's stage); empty outside such a step
+    experts: list[str] = dataclasses.field(default_factory=list)  # per token id, a policy token's experts per
+    # layer (`expert_record`), "" off the loss mask; empty: not recorded (`rollout.record_experts`)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     text: str = ""
 
@@ -55,6 +64,8 @@ class Trajectory:
             raise ValueError(f"a turn span of {self.turn_spans} lies outside the {n} token ids")
         if self.token_versions and len(self.token_versions) != n:
             raise ValueError(f"token_versions ({len(self.token_versions)}) must be empty or one per token id ({n})")
+        if self.experts and (len(self.experts) != n or any(bool(e) != bool(m) for e, m in zip(self.experts, self.loss_mask))):
+            raise ValueError(f"experts must be empty or one per token id ({n}), recorded exactly on the loss mask")
         if len(self.turn_rewards) > len(self.turn_spans):  # the last turn may never have been stepped
             raise ValueError(f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_spans)} turns")
 
@@ -79,6 +90,21 @@ class Trajectory:
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Trajectory:
         return cls(**record)
+
+
+def expert_record(experts: np.ndarray) -> str:
+    """One token's experts `[layers, k]` as a trajectory keeps them: "3,5 1,7" (layer by layer)."""
+    return " ".join(",".join(map(str, layer)) for layer in np.asarray(experts).tolist())
+
+
+def expert_array(records: Sequence[str]) -> np.ndarray:
+    """`[len(records), layers, k]` int32 of non-empty `expert_record`s of one shape."""
+    layers = records[0].count(" ") + 1
+    k = records[0].split(" ", 1)[0].count(",") + 1
+    flat = ",".join(records).replace(" ", ",").split(",")
+    if len(flat) != len(records) * layers * k or any(r.count(" ") != layers - 1 for r in records):
+        raise ValueError(f"expert records of different shapes: the first has {layers} layers x {k} experts")
+    return np.asarray(flat).astype(np.int32).reshape(len(records), layers, k)
 
 
 def write_jsonl(path: str, trajectories: Iterable[Trajectory], append: bool = True) -> None:

@@ -21,10 +21,12 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.models.chat import ChatFraming, Framed
 from agentgym_jax.rollout.tool_use import tool_prompt
-from agentgym_jax.rollout.trajectory import Trajectory
+from agentgym_jax.rollout.trajectory import Trajectory, expert_record
 
 ACKNOWLEDGEMENT = "Ok."  # AgentGym's assistant reply to the instruction turn
 
@@ -72,6 +74,7 @@ class Transcript:
         self.logprobs: list[float] = [0.0] * len(prompt)
         self.turn_spans: list[tuple[int, int]] = []
         self.replayed_turns = 0
+        self.experts: list[str] = []  # per token id (`Trajectory.experts`) once a policy turn brings them
 
     @classmethod
     def start(
@@ -93,14 +96,23 @@ class Transcript:
     def num_turns(self) -> int:
         return len(self.turn_spans)
 
-    def add_policy_turn(self, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
-        """Appends ids the policy produced (its end-of-turn id included if it sampled one)."""
+    def add_policy_turn(self, ids: Sequence[int], logprobs: Sequence[float] | None = None,
+                        experts: np.ndarray | None = None) -> None:
+        """Appends ids the policy produced (its end-of-turn id included if it sampled one), and
+        a mixture of experts' routing of each, `experts [ids, layers, k]`: a transcript whose first
+        policy turn brings them records them for every turn."""
         if len(ids) == 0:
             raise ValueError("a policy turn needs at least one token")
         logprobs = [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
         if len(logprobs) != len(ids):
             raise ValueError(f"{len(ids)} policy ids but {len(logprobs)} log-probs")
         start = len(self.token_ids)
+        if experts is not None or self.experts:
+            if experts is None or len(experts) != len(ids):
+                raise ValueError(f"a transcript that records experts needs them for each of the {len(ids)} policy ids")
+            if not self.experts and self.turn_spans:
+                raise ValueError(f"experts for policy turn {self.num_turns} but not for the turns before it")
+            self.experts = (self.experts or [""] * start) + [expert_record(e) for e in experts]
         self.token_ids += [int(i) for i in ids]
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
@@ -153,6 +165,8 @@ class Transcript:
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        if self.experts:
+            self.experts += [""] * len(ids)
         return ids
 
     def to_trajectory(
@@ -174,6 +188,7 @@ class Transcript:
             loss_mask=list(self.loss_mask),
             logprobs=list(self.logprobs),
             turn_spans=list(self.turn_spans),
+            experts=list(self.experts),
             turn_rewards=[float(r) for r in turn_rewards],
             reward=float(sum(turn_rewards)),
             status=status,

@@ -20,6 +20,9 @@ class SamplingConfig:
     eot_ids: tuple[int, ...] = ()  # end-of-turn ids: a row stops after sampling any of them
     pad_id: int = 0  # written into output slots after a row stopped
     return_raw_logprobs: bool = False  # also return log-probs at the temperature, unfiltered
+    # A mixture of experts: also return the experts each sampled token was routed to (off: the
+    # decode loop carries none, at real sizes layers x k ids per token of every row).
+    return_experts: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

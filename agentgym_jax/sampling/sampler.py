@@ -127,7 +127,8 @@ class TurnOutput(NamedTuple):
     raw_logprobs: np.ndarray | None  # same at the temperature, unfiltered (if asked for)
     stop: np.ndarray  # [rows] int32 StopReason
     # A mixture of experts: the experts each sampled token was routed to when it went into the
-    # cache, [rows, max_new_tokens, layers, k] int32 (-1 after count); None for a dense model.
+    # cache, [rows, max_new_tokens, layers, k] int32 (-1 after count) with `return_experts`; None
+    # without, or for a dense model.
     experts: np.ndarray | None = None
 
 
@@ -188,10 +189,11 @@ def decode(
 
     Returns the cache (every sampled token written at its row's own slot), the next-token
     logits, the turn (counts and stops advanced; rows whose real tokens fill the cache stop with
-    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps] and a mixture of
-    experts' routing of each sampled token (experts [B, steps, layers, k], else None): a row that sampled
-    n tokens in this call has them in columns 0..n-1. `loop_params_fn` reshapes the params once,
-    before the loop, into what every step reads; `forcing` applies `turn.forced`.
+    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps] and, with
+    `config.return_experts`, a mixture of experts' routing of each sampled token (experts [B,
+    steps, layers, k]; else, or for a dense model, None): a row that sampled n tokens in this
+    call has them in columns 0..n-1. `loop_params_fn` reshapes the params once, before the loop,
+    into what every step reads; `forcing` applies `turn.forced`.
     """
     if loop_params_fn is not None:
         params = loop_params_fn(params)
@@ -233,12 +235,14 @@ def decode(
             raw_logprobs=(
                 column(c.raw_logprobs, s.raw_logprobs) if config.return_raw_logprobs else c.raw_logprobs
             ),
-            experts=None if experts is None else c.experts.at[:, c.step].set(
+            experts=None if c.experts is None else c.experts.at[:, c.step].set(
                 jnp.where(t.active[:, None, None], experts, -1)),
         )
 
-    routed = jax.eval_shape(step_fn, params, jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
-                            cache, jnp.zeros((batch,), jnp.int32))[2]  # [batch, layers, k] or None
+    routed = None  # [batch, layers, k]: what a step routes, where asked for and the model has experts
+    if config.return_experts:
+        routed = jax.eval_shape(step_fn, params, jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                                cache, jnp.zeros((batch,), jnp.int32))[2]
     start = _DecodeCarry(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
@@ -601,6 +605,8 @@ class Sampler:
         that dtype: a copy when they are stored in another one (float32 master weights), the same
         arrays otherwise.
         """
+        if config.return_experts and not model_config.moe:
+            raise ValueError(f"return_experts needs a mixture of experts; {model_config.family} routes no experts")
         step_fn = decoder_step(
             model_config, dtype=dtype, activation_sharding=shardings.batch if shardings else None, kernels=kernels
         )
@@ -855,7 +861,9 @@ class Sampler:
         `steps`, bucketed: rows between turns (waiting on their environment) or free cost
         nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Returns
         the state, the turn (host) and the chunk's (tokens, logprobs, raw_logprobs) [batch, steps]
-        (inactive rows: pad_id / 0) and every row's index.
+        (inactive rows: pad_id / 0), with `return_experts` a mixture of experts' routing of each
+        sampled token (experts [batch, steps, layers, k], -1 where none; else, or for a dense model,
+        None) and every row's index.
         """
         batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
@@ -871,8 +879,12 @@ class Sampler:
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
         self.work.add_decode(k, turn.count - count)
         out = []
-        for a, fill in zip(arrays[:3], (self.config.pad_id, 0, 0)):  # (the slot engine keeps no routing)
-            full = np.full((batch, steps), fill, np.asarray(a).dtype)
-            full[active] = np.asarray(a)[: len(active)]
+        for a, fill in zip(arrays, (self.config.pad_id, 0, 0, -1)):
+            if a is None:  # a dense model's routing
+                out.append(None)
+                continue
+            a = np.asarray(a)
+            full = np.full((batch, *a.shape[1:]), fill, a.dtype)
+            full[active] = a[: len(active)]
             out.append(full)
         return state.replace(cache=cache, logits=logits), turn, (*out, np.asarray(cache.index))

@@ -116,7 +116,7 @@ def cut(batch: Any, length: int) -> Any:
         return batch.replace(layout=batch.layout.replace(tokens=trim(batch.layout.tokens),
                                                          positions=trim(batch.layout.positions),
                                                          ends=trim(batch.layout.ends)))
-    return jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 and x.shape[1] == full else x, batch)
+    return jax.tree.map(lambda x: x[:, :length] if x.ndim >= 2 and x.shape[1] == full else x, batch)  # [rows, seq, ...]
 
 
 def at_length(fn: Callable, lengths: tuple[int, ...], per_position: bool = False) -> Callable:

@@ -34,7 +34,6 @@ from absl import logging
 from agentgym_jax.gateway import episodes as agent_episodes
 from agentgym_jax.gateway.agents import AgentSpec
 from agentgym_jax.job import play, setup
-from agentgym_jax.job import settings as job_settings
 from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train import build, rl_episodes, rl_report, rl_signal, settings
@@ -72,9 +71,10 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         rl_tx = make_optimizer(settings.rl_optim(config, update.batching.updates_per_step))  # schedule in optimizer updates
         state, step_fns = build.policy_state(config, update, params, mesh, rl_tx, *critic)
         settings.check_step_rows(config, update, step_fns.padded_rows)  # before SFT, not at the first update
+        rollout = settings.rl_rollout(config, model)
         if agent is None:
             held_out = play.HeldOut.of(config, job, model, framing)
-            train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
+            train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, rollout))
         else:
             held_out = play.HeldOut.of(config, job, model, framing, agent_episodes.agent_policy(config, agent, workdir / "held_out"))
 

@@ -30,7 +30,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, soft_cap
 from agentgym_jax.models.decoder import value_head as decoder_value_head
 from agentgym_jax.models.kernels import AttentionKernels
-from agentgym_jax.models.moe import Routing, load_balancing_loss
+from agentgym_jax.models.moe import Routing, differing_layers, load_balancing_loss
 from agentgym_jax.parallel.partition import fit_spec
 from agentgym_jax.rl.losses import entropy_from_logits
 from agentgym_jax.rollout.batch import TokenBatch
@@ -67,15 +67,17 @@ class Forward:
 
 def score(
     params: Any, batch: TokenBatch, forward: Forward, temperature: float = 1.0, value_head: bool = False,
-    router_aux: bool = False,
+    router_aux: bool = False, routing_differs: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Log-prob, entropy and critic value of every token given the tokens before it, each
     [rows, seq] float32, of `logits / temperature` (the distribution the sampler drew from at
     that temperature; the logits soft-capped first where the family caps them). Values:
     `params`' value head (`value_head`), else zeros. With `logprobs_at="loss"` log-probs and
     entropies are 0 where `loss_mask` is not set. With `router_aux`, a mixture of experts'
-    load-balancing loss over the tokens computed comes fourth (a packed batch's shared tokens
-    count once)."""
+    load-balancing loss over the tokens computed comes next (a packed batch's shared tokens
+    count once). With `routing_differs`, last: at each token the sampler recorded experts for
+    (`batch.experts`), how many layers route it to another expert set here ([rows, seq]
+    float32, 0 elsewhere; a packed token's routing is that of every row it stands for)."""
     hidden, sources, routing = _trunk_and_sources(params, batch, forward, forward.model)
     slots = _unit_rows(sources, sources)  # [units, rows per unit * seq]
     need = slots >= 0
@@ -86,7 +88,11 @@ def score(
     values = _values(params, hidden, sources) if value_head else jnp.zeros_like(logp)
     rows = batch.tokens.shape
     scores = (logp.reshape(rows), entropy.reshape(rows), values.reshape(rows))
-    return (*scores, load_balancing_loss(routing, forward.model.num_experts)) if router_aux else scores
+    if router_aux:
+        scores += (load_balancing_loss(routing, forward.model.num_experts),)
+    if routing_differs:
+        scores += (_routing_differs(routing, batch).reshape(rows),)
+    return scores
 
 
 def critic_values(critic_params: Any, batch: TokenBatch, forward: Forward, model: ModelConfig | None = None) -> jax.Array:
@@ -163,6 +169,26 @@ def _trunk_and_sources(params: Any, batch: TokenBatch, forward: Forward,
         return hidden, plain_sources(batch.positions), routing
     hidden, routing = _trunk(params, layout.tokens, layout.positions, layout.ends, forward, model)
     return hidden, layout.sources, routing
+
+
+def _routing_differs(routing: Routing | None, batch: TokenBatch) -> jax.Array:
+    """[units, rows per unit * seq] the layers whose experts at each row token differ from the
+    sampler's record `batch.experts` [rows, seq, layers, k] (0 where it has none). A row token's
+    routing is read at its own index of the computed rows: its position in a plain row, its
+    packed index (`PackedRows.origins`) in a prefix tree."""
+    if routing is None or batch.experts is None:
+        raise ValueError("comparing routings needs a mixture-of-experts model and a batch with recorded experts")
+    if batch.layout is None:  # units of one row
+        seq = batch.positions.shape[1]
+        origins = jnp.where(batch.positions >= 0, jnp.arange(seq, dtype=jnp.int32), -1)[:, None, :]
+    else:
+        origins = batch.layout.origins
+    units = origins.shape[0]
+    at = origins.reshape(units, -1)  # [units, slots]
+    trainer = routing.experts[:, jnp.arange(units)[:, None], jnp.maximum(at, 0)]  # [layers, units, slots, k]
+    recorded = jnp.moveaxis(batch.experts.reshape(units, at.shape[1], *batch.experts.shape[2:]), 2, 0).astype(jnp.int32)
+    compared = (at >= 0) & (recorded[0, ..., 0] >= 0)
+    return jnp.where(compared, differing_layers(recorded, trainer), 0).astype(jnp.float32)
 
 
 def _unit_rows(x: jax.Array, sources: jax.Array) -> jax.Array:

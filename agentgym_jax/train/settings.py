@@ -28,6 +28,7 @@ from agentgym_jax.rl.curriculum import Curriculum, grades
 from agentgym_jax.rl.pass_rate import PassRate, ReplayControl
 from agentgym_jax.rl.horizon import HORIZON_SCHEDULES, HorizonSchedule
 from agentgym_jax.rl.losses import POLICY_LOSSES
+from agentgym_jax.rollout.engine import RolloutConfig
 from agentgym_jax.rollout.rl_batch import BatchFilter
 from agentgym_jax.train import rl_episodes, rl_signal
 from agentgym_jax.train.scoring import Forward
@@ -150,6 +151,19 @@ def async_rollout(config: ml_collections.ConfigDict, corrects_off_policy: bool) 
         raise ConfigError("rollout.max_staleness > 0 samples with older weights than the update's: set "
                           "algo.decoupled_ppo=True (or algo.is_correction=token|sequence) to correct for them")
     return rl_episodes.AsyncSettings(k, stale, bool(r.lock_step))
+
+
+def rl_rollout(config: ml_collections.ConfigDict, model: ModelConfig) -> RolloutConfig:
+    """How the RL rollout samples (`job/settings.rollout`), keeping a mixture of experts' routing
+    of every policy token where `rollout.record_experts` asks (for the update's `routing_mismatch`);
+    refused in one line where nothing can record it."""
+    record = bool(config.rollout.get("record_experts", False))
+    if record and not model.moe:
+        raise ConfigError(f"rollout.record_experts needs a mixture of experts; {model.family} has none")
+    if record and config.env.get("agent", ""):
+        raise ConfigError("rollout.record_experts is not supported for an agent program's episodes (env.agent): the "
+                          "gateway records no experts; set it False")
+    return dataclasses.replace(job_settings.rollout(config), record_experts=record)
 
 
 def batch_filter(config: ml_collections.ConfigDict) -> BatchFilter:

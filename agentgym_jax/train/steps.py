@@ -243,6 +243,9 @@ class RLBatch:
     returns: jax.Array  # [batch, seq]
     is_weights: jax.Array  # [batch, seq] off-policy weights of each token's loss; ones when off
     layout: PackedRows | None = None  # the rows packed as prefix trees (the `TokenBatch`'s); None: plain rows
+    # [batch, seq, layers, k] the sampler's routing (the `TokenBatch`'s) where the update's forward
+    # pass compares it (no scoring pass: `prepare` compared it); else None
+    experts: jax.Array | None = None
 
 
 def prepare(
@@ -256,7 +259,10 @@ def prepare(
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
     separate critic's (`config.rl.separate_critic`), else None. Where nothing reads a scoring pass
-    (`UpdateConfig.scores_rollouts`), none runs: advantages only.
+    (`UpdateConfig.scores_rollouts`), none runs: advantages only. Where the batch holds the
+    sampler's experts (`TokenBatch.experts`), `routing_mismatch` is the share of (policy token,
+    layer) pairs the trainer routes to another expert set (from the update's forward pass where
+    no scoring pass runs).
     """
     rl = config.rl
     if rl.separate_critic != (critic_params is not None):
@@ -293,6 +299,7 @@ def prepare(
         returns=returns,
         is_weights=is_weights,
         layout=batch.layout,
+        experts=None if config.scores_rollouts else batch.experts,
     )
     return rl_batch, metrics
 
@@ -302,17 +309,19 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     """`prepare`'s scoring pass: trainer and reference log-probs and values of every row, the
     importance weights of trainer vs sampler, and their metrics."""
     rl, forward, batching, mask = config.rl, config.forward, config.batching, batch.loss_mask
+    compare = batch.experts is not None
 
     def score_part(all_params: tuple[Any, Any, Any], units: TokenBatch) -> tuple[jax.Array, ...]:
         params, ref_params, critic_params = all_params
         part = microbatch.to_rows(units)
-        old_logprobs, entropy, values = score(params, part, forward, rl.temperature, rl.shared_value_head)
+        old_logprobs, entropy, values, *differs = score(params, part, forward, rl.temperature, rl.shared_value_head,
+                                                        routing_differs=compare)
         if rl.separate_critic:
             values = critic_values(critic_params, part, forward, rl.critic_model)
         ref_logprobs = score(ref_params, part, forward, rl.temperature)[0] if rl.uses_reference else old_logprobs
         rows = microbatch.rows_per_unit(units)
         return tuple(x.reshape(-1, rows, x.shape[-1]) if rows > 1 else x
-                     for x in (old_logprobs, entropy, values, ref_logprobs))
+                     for x in (old_logprobs, entropy, values, ref_logprobs, *differs))
 
     parts = batching.num_minibatches * batching.num_microbatches
     units = microbatch.to_units(batch)
@@ -325,7 +334,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     scored = microbatch.merge(scored)
     if order is not None:
         scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's unit order
-    old_logprobs, entropy, values, ref_logprobs = (x.reshape(mask.shape) for x in scored)
+    old_logprobs, entropy, values, ref_logprobs, *differs = (x.reshape(mask.shape) for x in scored)
     # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
     is_weights, is_metrics = importance_weights(
         old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
@@ -335,6 +344,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
         is_weights = jnp.ones_like(is_weights)
     metrics = {
         **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
+        **_routing_metrics(differs, batch, config.forward.model),
         **is_metrics,
         "score_length_fraction": jnp.mean(run_lengths) / full,  # of the padded positions, scored
         "score_positions": jnp.sum(run_lengths) * (microbatch.count_units(batch) // parts),  # one policy's pass
@@ -349,6 +359,16 @@ def _rollout_metrics(trainer_logprobs: jax.Array, sampler_logprobs: jax.Array, e
             "entropy_at_rollout": masked_mean(entropy, mask)}
 
 
+def _routing_metrics(differs: list[jax.Array], batch: TokenBatch | RLBatch, model: ModelConfig) -> Metrics:
+    """`routing_mismatch`: the share of (policy token, layer) pairs with a sampler's record whose
+    experts the trainer chose otherwise (`differs`: `score`'s last output, or none: no metric)."""
+    if not differs:
+        return {}
+    compared = (batch.loss_mask > 0) & (batch.experts[..., 0, 0] >= 0)
+    pairs = jnp.sum(compared) * model.num_layers
+    return {"routing_mismatch": jnp.sum(jnp.where(compared, differs[0], 0.0)) / jnp.maximum(pairs, 1)}
+
+
 def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
     return {"advantage_mean": masked_mean(advantages, mask), "advantage_abs_mean": masked_mean(jnp.abs(advantages), mask),
             "policy_tokens": masked_count(mask)}
@@ -358,14 +378,16 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
     """The policy loss (`rl.losses.POLICY_LOSSES`) + KL to the reference - entropy bonus + clipped value loss.
     Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
     sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
-    rl = config.rl
-    logprobs, entropy, values, *router = score(params, batch, config.forward, rl.temperature, rl.shared_value_head,
-                                               _router_aux(config))
+    rl, aux = config.rl, int(_router_aux(config))
+    logprobs, entropy, values, *extra = score(params, batch, config.forward, rl.temperature, rl.shared_value_head,
+                                              bool(aux), batch.experts is not None)
+    router, differs = extra[:aux], extra[aux:]
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
     if not config.scores_rollouts:
         old_logprobs = jax.lax.stop_gradient(logprobs)
-        metrics = _rollout_metrics(old_logprobs, batch.old_logprobs, jax.lax.stop_gradient(entropy), mask)
+        metrics = {**_rollout_metrics(old_logprobs, batch.old_logprobs, jax.lax.stop_gradient(entropy), mask),
+                   **_routing_metrics(differs, batch, config.forward.model)}
     agg = dict(agg_mode=config.batching.agg_mode, norm_length=config.batching.loss_norm_length)
     pg_loss, loss_metrics = rl.loss.fn(
         logprobs, old_logprobs, batch.advantages, mask, **agg,
