@@ -383,7 +383,7 @@ def test_bad_input_is_refused():
     params = toy_params()
     with pytest.raises(ValueError, match="no empty prompt"):
         sampler.prefill(params, [[1], []])
-    with pytest.raises(ValueError, match="chunk length 65 exceeds"):
+    with pytest.raises(ValueError, match="prompt length 65 exceeds max_cache_len=64"):
         sampler.prefill(params, [[1] * 65])
     state = sampler.prefill(params, [[1], [2]])
     with pytest.raises(ValueError, match="expected 2 chunks"):
@@ -483,29 +483,33 @@ def test_decoder_continuation_equals_one_full_forward(qwen2, turn_sampler):
 
 
 def test_ten_turns_after_warm_up_compile_nothing(qwen2, turn_sampler):
-    """Warm-up: one 10-turn rollout. Then a new batch size, prompt and chunk lengths (same buckets)."""
+    """Warm-up: a 10-turn rollout of 6 episodes, 2 of which end after turn 5 (their rows then drop
+    out of the appends and decodes). Then 5 episodes, 1 ending there: a new batch size, new prompt
+    and chunk lengths and turn limits in the same buckets of rows, chunks and cache slots (row 0,
+    the longest, grows the same way in both): nothing compiles."""
     _, config, params = qwen2
     sampler = turn_sampler
 
-    def rollout(num_rows: int, seed: int) -> None:
+    def rollout(num_rows: int, ending: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        prompts = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+        tokens = lambda n: rng.integers(0, config.vocab_size, n).tolist()  # noqa: E731
+        prompts = [tokens(16)] + [tokens(rng.integers(1, 17)) for _ in range(num_rows - 1)]
         state = sampler.prefill(params, prompts)
         live = np.ones(num_rows, bool)
         for turn_index in range(10):
             limit = rng.integers(1, 9, num_rows)
-            limit[0] = 8  # row 0 always runs the full turn: the cache grows the same way each rollout
+            limit[0] = 8
             state, turn = sampler.generate(params, state, jax.random.key(turn_index), limit=limit.tolist())
             np.testing.assert_array_equal(turn.count, np.where(live, limit, 0))
             if turn_index == 4:
-                live[-1] = False  # an episode ends early
-            chunks = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+                live[num_rows - ending :] = False  # episodes end early
+            chunks = [tokens(16)] + [tokens(rng.integers(1, 17)) for _ in range(num_rows - 1)]
             state, overflow = sampler.append(params, state, chunks, live.tolist())
             assert not overflow.any()
 
-    rollout(4, seed=0)
+    rollout(6, 2, seed=0)
     with count_compilations() as compiled:
-        rollout(3, seed=1)
+        rollout(5, 1, seed=1)
     assert compiled == []
 
 
