@@ -145,38 +145,35 @@ class Work:
         return cls(list(prompts.values()), appended, sampled)
 
 
+def filled_cache(sampler: Sampler, rows: int, slots: int, filled: int):
+    """A cache of `rows` x `slots` whose first `filled` slots of every row hold tokens, and zero logits."""
+    positions = np.where(np.arange(slots) < filled, np.arange(slots), -1).astype(np.int32)
+    cache = sampler._init_cache(rows, slots).replace(
+        positions=jnp.asarray(np.tile(positions, (rows, 1))), index=jnp.full((rows,), filled, jnp.int32))
+    return cache, jnp.zeros((rows, sampler._vocab_size), jnp.float32)
+
+
 def time_decode(sampler: Sampler, params, rows: int, slots: int, steps: int = 8) -> float:
     """CPU seconds of one decode step of `rows` rows, each attending over `slots` filled slots
     (the sampler's own decode loop, every row forced to `steps` tokens; best of 2 after a compile)."""
-    cache = sampler._init_cache(rows, slots)
-    filled = slots - steps
-    positions = np.where(np.arange(slots) < filled, np.arange(slots), -1).astype(np.int32)
-    cache = cache.replace(positions=jnp.asarray(np.tile(positions, (rows, 1))), index=jnp.full((rows,), filled, jnp.int32))
-    logits = jnp.zeros((rows, sampler._vocab(params, cache)), jnp.float32)
     turn = Turn.start(np.ones(rows, bool), np.full(rows, steps, np.int32), np.full(rows, steps, np.int32))
     best = []
     for _ in range(3):
+        cache, logits = filled_cache(sampler, rows, slots, slots - steps)
         start = time.process_time()
-        out = sampler._decode(steps, True, params, cache, logits, turn, jax.random.key(0))
-        jax.block_until_ready(out)
+        jax.block_until_ready(sampler._decode(steps, True, params, cache, logits, turn, jax.random.key(0)))
         best.append((time.process_time() - start) / steps)
-        cache = out[0].replace(positions=cache.positions, index=jnp.full((rows,), filled, jnp.int32))
-        logits = out[1]
     return min(best[1:])
 
 
 def time_append(sampler: Sampler, params, rows: int, width: int, before: int) -> float:
     """CPU seconds of appending `width` real tokens to each of `rows` rows that hold `before`
     tokens (the sampler's own append; best of 2 after a compile)."""
-    slots = before + width
-    positions = np.where(np.arange(slots) < before, np.arange(slots), -1).astype(np.int32)
     tokens = np.random.default_rng(0).integers(0, 1000, (rows, width)).astype(np.int32)
     lengths = np.full((rows,), width, np.int32)
     best = []
     for _ in range(3):
-        cache = sampler._init_cache(rows, slots)
-        cache = cache.replace(positions=jnp.asarray(np.tile(positions, (rows, 1))), index=jnp.full((rows,), before, jnp.int32))
-        logits = jnp.zeros((rows, sampler._vocab(params, cache)), jnp.float32)
+        cache, logits = filled_cache(sampler, rows, before + width, before)
         start = time.process_time()
         jax.block_until_ready(sampler._append(params, cache, logits, tokens, lengths))
         best.append(time.process_time() - start)
@@ -264,7 +261,8 @@ def main() -> None:
     real_appended = sum(n for _, n in work.appended)
     computed = {
         "prompt prefill": f"{stats.prompt_tokens_computed} tokens / {sum(work.prompts)} distinct",
-        "observation appends": f"{stats.observation_tokens_computed} tokens / {real_appended}",
+        # (not counted by trees before `observation_tokens_computed`: a baseline's run)
+        "observation appends": f"{getattr(stats, 'observation_tokens_computed', '?')} tokens / {real_appended}",
         "decode": f"{stats.decode_row_steps} row-steps / {sampled} tokens",
     }
     host = warm["cpu"] - sum(warm["parts"].values())
