@@ -123,6 +123,8 @@ def numpy_sampling_logprobs(logits: np.ndarray, config: SamplingConfig) -> np.nd
 
 def test_buckets():
     assert buckets.powers_of_two(16, 100) == (16, 32, 64, 100)
+    assert buckets.powers_of_two(1, 40, threes=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
+    assert buckets.powers_of_two(128, 1280, threes=True) == (128, 192, 256, 384, 512, 768, 1024, 1280)
     assert buckets.bucket(17, (16, 32, 64)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
         buckets.bucket(65, (16, 32, 64), "chunk length")
@@ -163,6 +165,22 @@ def test_logprobs_equal_numpy_filtered_distribution():
             scaled = reference[step] / config.temperature  # unfiltered, at the sampling temperature
             raw = scaled - np.logaddexp.reduce(scaled)
             np.testing.assert_allclose(turn.raw_logprobs[row, step], raw[token], atol=2e-5)
+
+
+def test_a_repeated_prompt_is_computed_once():
+    """Six rows, two distinct prompts (a task's group repeats its prompt): prefill computes 2 rows
+    of the 16-token chunk bucket, not 8, and every row's next-token logits are its prompt's
+    (float64 NumPy, no cache); a row's slots past its own prompt are empty."""
+    params = toy_params(3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3], [1, 2, 3]]
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=4))
+    state = sampler.prefill(params, prompts)
+    assert sampler.work.prompt_tokens_computed == 2 * 16
+    assert state.logits.shape[0] == 6  # 6 rows are one batch bucket (2^k and 3 * 2^k)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(state.logits)[row], numpy_toy_logits(params, prompt)[-1], rtol=1e-5, atol=1e-5)
+        assert int(state.cache.index[row]) == len(prompt)
+        np.testing.assert_array_equal(np.asarray(state.cache.positions)[row, : len(prompt) + 1], [*range(len(prompt)), -1])
 
 
 def fixed_forward(params, tokens, positions, cache: KVCache):
