@@ -471,7 +471,8 @@ class Sampler:
     decoder's `forward` signature); `init_cache_fn(batch, max_len)` makes an empty cache;
     `loop_params_fn` (optional) maps the params, once per turn, to the form the decode loop's
     steps read (`for_decoder`: `decoder.unstack_layers`). Batch sizes, chunk lengths
-    and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
+    and cache lengths are rounded up to buckets (default: 2^k and 3 * 2^k; calls over some rows
+    only, `fill_buckets` and `decode_buckets`: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
     Growing frees the smaller cache at once (XLA cannot alias buffers of different shapes, so the
@@ -510,10 +511,10 @@ class Sampler:
         if any(b % row_shards for b in self.batch_buckets):
             raise ValueError(f"batch_buckets {self.batch_buckets} must be multiples of the {row_shards} row shards")
         self.chunk_buckets = buckets.check_buckets(
-            "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len)
+            "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len, threes=True)
         )
         self.cache_buckets = buckets.check_buckets(
-            "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len)
+            "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len, threes=True)
         )
         self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or some_rows)
         if any(b % row_shards for b in self.fill_buckets):
