@@ -43,7 +43,8 @@ ENVS = [
 ]
 TEST = ["pytest", "pytest-xdist", "pytest-timeout", "torch==2.13.0", "accelerate",  # transformers loads GGUF with it
         "nbformat", "nbclient", "ipykernel",
-        "openai"]  # the gateway's tests: an agent written with the OpenAI client alone
+        "openai",  # the gateway's tests: an agent written with the OpenAI client alone
+        "langchain-openai"]  # agents/langchain_tools.py: an agent of another client library, trained online
 # Accelerator builds of the same jax (its own extras pull the matching jaxlib/plugin; pins in constraints.txt).
 TPU = ["jax[tpu]"]
 CUDA = ["jax[cuda12]"]

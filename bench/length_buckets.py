@@ -34,7 +34,8 @@ from train_step import bench_model, best_seconds, random_batch  # noqa: E402
 
 from agentgym_jax.models.decoder import init_params  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.scoring import Forward  # noqa: E402
+from agentgym_jax.train.steps import Batching, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 
 
 def ragged(batch, seed: int = 1):

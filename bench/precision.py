@@ -32,7 +32,8 @@ from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.sampling.config import SamplingConfig  # noqa: E402
 from agentgym_jax.sampling.sampler import Sampler  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.scoring import Forward  # noqa: E402
+from agentgym_jax.train.steps import RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 from train_step import random_batch  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")

@@ -137,7 +137,8 @@ def shape_name(config: ml_collections.ConfigDict, model: ModelConfig) -> str:
     if not preset:
         return own
     fields = models.PRESETS[preset]["model"]
-    same = all(config.model[key] == value for key, value in fields.items())
+    plain = lambda v: v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v  # noqa: E731 (a preset's hf_config)
+    same = all(plain(config.model[key]) == value for key, value in fields.items())
     return preset if same else f"{preset}-{own}"
 
 

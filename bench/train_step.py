@@ -49,7 +49,8 @@ from agentgym_jax.models.decoder import init_params  # noqa: E402
 from agentgym_jax.models.hf_checkpoint import load_pretrained  # noqa: E402
 from agentgym_jax.rollout.batch import TokenBatch  # noqa: E402
 from agentgym_jax.train.state import TrainState  # noqa: E402
-from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
+from agentgym_jax.train.scoring import Forward  # noqa: E402
+from agentgym_jax.train.steps import Batching, RLSpec, UpdateConfig, make_step_fns  # noqa: E402
 
 
 def random_batch(rows: int, seq: int, vocab: int, group_size: int, seed: int = 0) -> TokenBatch:

@@ -40,6 +40,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.env.episode_timeout_s = 600.0
     config.env.auth_token = ""  # sent as `Authorization: Bearer <token>` (servers run with --auth_token); local servers require it too
     config.env.perturbation = ""  # local servers started with --perturbation=<this> (docs/tools.md); set per setting by `perturbations`
+    # An agent program plays each episode through an in-process gateway over `policy` (docs/agents.md):
+    # "<module>:<function>" or a command line; "": the rollout engine plays the policy itself.
+    config.env.agent = ""
+    config.env.agent_workers = "threads"  # threads | processes
+    config.env.agent_timeout_s = 600.0  # an episode still running then ends infra_error
+    config.env.agent_kwargs = ""  # a JSON object of more keyword arguments for the agent
+    config.env.agent_reward_range = (-1.0, 1.0)  # a reward outside it is refused (the episode ends infra_error)
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # empty: the policy's own (oracle: one built from env text in out_dir)
@@ -52,6 +59,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.compute_dtype = "float32"
     config.model.attention_kernel = "auto"  # as in configs/quickstart.py: Pallas kernels where written for, else xla
     config.model.decode_kernel = "auto"
+    # A mixture of experts (qwen3_moe, qwen2_moe; docs/models.md): its dispatch, auto: grouped matmuls
+    # (ragged_dot) on accelerators, every expert on every token (dense) on the CPU; or ragged | dense.
+    config.model.moe_dispatch = "auto"
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

@@ -29,6 +29,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.max_queue = 256  # requests in flight beyond which the gateway answers 429
     config.idle_timeout_s = 900.0  # a conversation unused this long is dropped unrecorded
     config.temperature = 1.0  # the policy's sampling temperature (requests may repeat it, not change it)
+    config.max_body_bytes = 4 * 2**20  # a larger request body is refused (413) before it is read
+    config.warmup_tokens = 1024  # first prompts up to this long compile at start-up (/health: 503 until done); 0: none
+    config.write_unrewarded = False  # at Ctrl-C, write open conversations to <out_dir>/unrewarded.jsonl (else counted only)
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # empty: the policy's own
@@ -41,6 +44,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.model.compute_dtype = "float32"
     config.model.attention_kernel = "auto"
     config.model.decode_kernel = "auto"
+    # A mixture of experts (qwen3_moe, qwen2_moe; docs/models.md): its dispatch, auto: grouped matmuls
+    # (ragged_dot) on accelerators, every expert on every token (dense) on the CPU; or ragged | dense.
+    config.model.moe_dispatch = "auto"
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

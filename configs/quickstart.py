@@ -36,6 +36,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Part of an environment: "<metadata key>=<value>[,...]" keeps, in the train and test splits,
     # the tasks whose per-task metadata matches (TextArena: "game=GuessTheNumber"); "": every task.
     config.env.tasks = ""
+    # An agent program as the environment (docs/agents.md): "<module>:<function>" called as
+    # fn(task, base_url, api_key, **kwargs) -> reward or {reward, success, status, metadata}, or a
+    # command line; each episode plays through the job's in-process gateway. "": the rollout engine.
+    config.env.agent = ""
+    config.env.agent_workers = "threads"  # threads | processes (for agents that are not thread-safe)
+    config.env.agent_timeout_s = 600.0  # an episode still running then ends infra_error (a process agent is killed)
+    config.env.agent_kwargs = ""  # a JSON object of more keyword arguments for the agent
+    config.env.agent_reward_range = (-1.0, 1.0)  # a reward outside it is refused (the episode ends infra_error)
+    config.env.agent_conversations = 1  # training rows an episode may bring (its last conversations; more are dropped)
 
     config.tokenizer = ml_collections.ConfigDict()
     config.tokenizer.dir = ""  # a Hugging Face tokenizer folder; empty: build one in workdir
@@ -67,6 +76,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Triton ragged decode kernel on GPU for decode steps), the blockwise XLA path elsewhere; or xla.
     config.model.attention_kernel = "auto"
     config.model.decode_kernel = "auto"
+    # A mixture of experts (qwen3_moe, qwen2_moe; docs/models.md): its dispatch, auto: grouped matmuls
+    # (ragged_dot) on accelerators, every expert on every token (dense) on the CPU; or ragged | dense.
+    config.model.moe_dispatch = "auto"
+    config.model.router_aux_coef = 0.0  # the router's load-balancing loss weight in the losses; 0: off
 
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

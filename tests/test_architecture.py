@@ -1,6 +1,6 @@
 """The import rules of docs/architecture.md, checked on every import of every module (top-level
 and inside functions): packages import only the layers below them (`launch -> train/eval -> job
--> rollout -> sampling -> models -> parallel`, `rollout -> envs`), `rl` only jax, chex and numpy,
+-> rollout -> sampling -> models -> parallel`, `rollout -> envs`, `train/eval -> gateway -> job`), `rl` only jax, chex and numpy,
 servers and trainer share only the protocol package, and the repository ignores what a user's
 machine adds to a clone."""
 
@@ -23,8 +23,8 @@ LAYERS = {
     "rollout": {"sampling", "models", "parallel", "envs"},
     "rl": set(),
     "job": {"rollout", "sampling", "models", "parallel", "envs"},
-    "train": {"job", "rl", "rollout", "sampling", "models", "parallel", "envs"},
-    "eval": {"job", "rollout", "sampling", "models", "parallel", "envs"},
+    "train": {"gateway", "job", "rl", "rollout", "sampling", "models", "parallel", "envs"},
+    "eval": {"gateway", "job", "rollout", "sampling", "models", "parallel", "envs"},
     "gateway": {"job", "rollout", "sampling", "models", "parallel", "envs"},
     "view": {"rollout", "sampling", "models", "parallel", "envs"},
 }

@@ -58,7 +58,7 @@ def test_lock_step_one_step_off_samples_what_a_hand_staged_synchronous_run_sampl
     settings = rl_episodes.AsyncSettings(max_staleness=1, lock_step=True)
     taken, positions = [], []
     with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, ROLLOUT) as engine:
-        source = rl_episodes.Asynchronous(plan, engine, settings, {})
+        source = rl_episodes.Asynchronous(plan, rl_episodes.EngineStreams(engine), settings, {})
         for step in range(3):
             trajectories, metrics = source.take(step, lambda: weights[step])
             assert metrics["staleness_max"] == metrics["staleness_mean"] == min(step, 1)
@@ -67,7 +67,7 @@ def test_lock_step_one_step_off_samples_what_a_hand_staged_synchronous_run_sampl
             source.updated(step + 1, lambda: weights[step + 1])
             positions.append(source.position())
         source.close()
-        resumed = rl_episodes.Asynchronous(plan, engine, settings, positions[1])  # killed after step 1's checkpoint
+        resumed = rl_episodes.Asynchronous(plan, rl_episodes.EngineStreams(engine), settings, positions[1])  # killed after step 1's checkpoint
         replayed, _ = resumed.take(2, lambda: weights[2])
 
         for batch in range(3):  # the synchronous run staged by hand

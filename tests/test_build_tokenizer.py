@@ -71,7 +71,7 @@ def test_llama3_prepends_bos_only_when_asked(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="unknown template 'gpt'.*chatml, llama3"):
+    with pytest.raises(ValueError, match="unknown template 'gpt'.*chatml, gemma, llama3"):
         bt.train_tokenizer(TEXTS, 512, "gpt")
     with pytest.raises(ValueError, match="below 259"):
         bt.train_tokenizer(TEXTS, 100, "chatml")

@@ -1,7 +1,8 @@
 """Chat framing: ids equal `apply_chat_template` token for token, roles, per-turn continuation.
 
-Tokenizers are built by `build_tokenizer` in a tmp dir; templates are ChatML (ours), Qwen2.5's
-and Meta's Llama-3.1 template (real texts: Qwen2.5's below, Llama-3.1's in build_tokenizer).
+Tokenizers are built by `build_tokenizer` in a tmp dir; templates are ChatML (ours), Qwen2.5's,
+Meta's Llama-3.1 template (real texts: Qwen2.5's below, Llama-3.1's in build_tokenizer) and
+Gemma's turn markup (build_tokenizer's GEMMA_TEMPLATE).
 """
 
 import pytest
@@ -77,7 +78,8 @@ CHATML_GENERATION_TEMPLATE = (
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-END_OF_TURN = {"chatml": "<|im_end|>", "qwen2.5": "<|im_end|>", "llama3.1": "<|eot_id|>"}
+END_OF_TURN = {"chatml": "<|im_end|>", "qwen2.5": "<|im_end|>", "llama3.1": "<|eot_id|>", "gemma": "<end_of_turn>"}
+TRIMMING = ("llama3.1", "gemma")  # templates that trim every content
 
 # Contents with leading/trailing spaces and newlines, unicode, and text that looks like markup.
 TRICKY = [
@@ -117,16 +119,18 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     return {
         name: bt.build_tokenizer(root / name, CORPUS, vocab_size=600, template=name)
-        for name in ("chatml", "llama3")
+        for name in ("chatml", "llama3", "gemma")
     }
 
 
-@pytest.fixture(scope="module", params=["chatml", "qwen2.5", "llama3.1"])
+@pytest.fixture(scope="module", params=["chatml", "qwen2.5", "llama3.1", "gemma"])
 def case(request, folders):
     """(name, tokenizer, framing) for each template."""
     name = request.param
     if name == "llama3.1":
         tokenizer = load_tokenizer(folders["llama3"])
+    elif name == "gemma":
+        tokenizer = load_tokenizer(folders["gemma"])
     else:  # Qwen2.5's template is configured on our ChatML tokenizer
         tokenizer = load_tokenizer(folders["chatml"], chat_template=QWEN25_TEMPLATE if name == "qwen2.5" else None)
     return name, tokenizer, ChatFraming(tokenizer)
@@ -158,7 +162,7 @@ def test_incremental_framing_equals_full_rendering(case):
     ids = list(framing.prompt_ids(TRICKY[:2]).ids)
     assert ids == reference(tokenizer, TRICKY[:2], True)
     for k in range(2, len(TRICKY), 2):
-        content = TRICKY[k]["content"].strip() if name == "llama3.1" else TRICKY[k]["content"]
+        content = TRICKY[k]["content"].strip() if name in TRIMMING else TRICKY[k]["content"]
         sampled = tokenizer.encode(content, add_special_tokens=False)  # what the policy would sample
         ids += sampled + list(framing.end_of_turn_ids)
         ids += framing.continuation_ids(TRICKY[k + 1]["content"]).ids
@@ -170,7 +174,7 @@ def test_roles_mark_exactly_the_assistant_turns(case):
     name, tokenizer, framing = case
     framed = framing.encode(TRICKY)
     assistant = [m["content"] for m in TRICKY if m["role"] == "assistant"]
-    strip = name == "llama3.1"  # Llama-3's template trims every content
+    strip = name in TRIMMING
     expected = [(c.strip() if strip else c) + END_OF_TURN[name] for c in assistant]
     assert [tokenizer.decode(run) for run in runs(framed, Role.ASSISTANT)] == expected
     environment = [m["content"].strip() for m in TRICKY if m["role"] == "environment"]
@@ -210,7 +214,8 @@ def test_control_token_text_in_messages_stays_text(case):
 def test_framing_attributes(case):
     name, tokenizer, framing = case
     assert framing.end_of_turn_ids == (tokenizer.convert_tokens_to_ids(END_OF_TURN[name]),)
-    header = {"llama3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n"}.get(name, "<|im_start|>assistant\n")
+    header = {"llama3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+              "gemma": "<start_of_turn>model\n"}.get(name, "<|im_start|>assistant\n")
     assert tokenizer.decode(framing.generation_header_ids) == header
     assert tokenizer.decode(framing.after_end_of_turn_ids) == ("" if name == "llama3.1" else "\n")
     cont = framing.continuation_ids("obs")

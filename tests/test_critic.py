@@ -20,12 +20,7 @@ from tests.updates import update as make_update
 CONFIG = make_update(MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def states():
@@ -42,11 +37,12 @@ def test_separate_critic_gives_the_values_and_trains_alone():
     fns = steps.make_step_fns(CONFIG)
     batch = _batch()
     rl_batch, _ = fns.prepare(policy.params, policy.params, batch, critic.params)
-    # Values: the critic's head on its final hidden state of the token's prefix, in float64.
+    # Values: the critic's head on its final hidden state of the token's prefix, in float64
+    # (0 where nothing predicts the token: a row's first token and its padding).
     _, _, hidden = forward(critic.params, batch.tokens, batch.positions, config=MODEL, return_hidden=True)
     head = critic.params["value_head"]
     want = np.asarray(hidden, np.float64) @ np.asarray(head["kernel"], np.float64) + float(head["bias"])
-    want = np.pad(want[:, :-1], ((0, 0), (1, 0)))
+    want = np.where(np.asarray(batch.positions) > 0, np.pad(want[:, :-1], ((0, 0), (1, 0))), 0.0)  # padding: 0
     np.testing.assert_allclose(rl_batch.old_values, want, rtol=1e-5, atol=1e-5)
     advantages, returns = gae(batch.token_rewards, rl_batch.old_values, batch.loss_mask, gamma=1.0, lam=0.95)
     np.testing.assert_allclose(rl_batch.advantages, advantages, rtol=1e-6, atol=1e-6)

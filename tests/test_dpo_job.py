@@ -22,7 +22,8 @@ from agentgym_jax.train.dpo_pairs import build_pairs, pair_batches
 from agentgym_jax.train.metrics import read_metrics
 from agentgym_jax.train.state import TrainState
 from agentgym_jax.train import steps
-from agentgym_jax.train.steps import Batching, DPOSpec, Forward, UpdateConfig
+from agentgym_jax.train.scoring import Forward
+from agentgym_jax.train.steps import Batching, DPOSpec, UpdateConfig
 from configs import dpo as dpo_config
 
 VOCAB = tiny_hf.TINY["vocab_size"]
@@ -132,7 +133,8 @@ def test_job_batches_pad_inside_the_vocabulary_and_score_like_unpadded_rows(hf_d
     # The cause: rows padded with an out-of-vocabulary id score NaN, padding rows and real rows alike.
     bad_c = make_token_batch([p.chosen for p in pairs], 32, 4, pad_id=VOCAB)
     bad_r = make_token_batch([p.rejected for p in pairs], 32, 4, pad_id=VOCAB)
-    assert not np.isfinite(np.asarray(fns.dpo_reference(params, bad_c, bad_r)[0])[: len(pairs), 1:]).any()  # entry 0: no prefix
+    scored = np.asarray(bad_c.positions)[: len(pairs)] > 0  # what is predicted: real tokens after the first
+    assert not np.isfinite(np.asarray(fns.dpo_reference(params, bad_c, bad_r)[0])[: len(pairs)][scored]).any()
 
     # The job's batches (padding rows included): only in-vocabulary ids, and every row scores as
     # the float64 PyTorch forward whose attention mask hides the padding.

@@ -15,9 +15,11 @@ import concurrent.futures
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -65,14 +67,14 @@ def academia_url():
 
 @pytest.fixture(scope="module")
 def gateway(policy, tmp_path_factory):
-    """(base URL, out_dir) of a gateway process serving the policy with two sampler rows and at
+    """(base URL, out_dir, output lines, process) of a gateway process serving the policy with two sampler rows and at
     most four requests in flight."""
     out_dir = tmp_path_factory.mktemp("gateway")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     cmd = [sys.executable, "-m", "agentgym_jax.launch", "--config=configs/gateway.py", f"--config.policy=hf:{policy[0]}",
            "--config.port=0", f"--config.auth_token={TOKEN}", f"--config.out_dir={out_dir}",
            "--config.max_conversations=2", "--config.max_queue=4", "--config.rollout.max_tokens_per_turn=12",
-           "--config.rollout.max_cache_len=2048",
+           "--config.rollout.max_cache_len=2048", "--config.warmup_tokens=32", "--config.write_unrewarded=True",
            "--config.rollout.decode_chunk=4"]
     process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, ready = [], threading.Event()
@@ -87,8 +89,9 @@ def gateway(policy, tmp_path_factory):
     threading.Thread(target=drain, daemon=True).start()
     try:
         ready.wait(180)
-        assert process.poll() is None and output and output[-1].startswith("serving"), "".join(output)
-        yield output[-1].split(" on ", 1)[1].strip(), out_dir
+        serving = [line for line in output if line.startswith("serving the gateway on ")]
+        assert process.poll() is None and serving, "".join(output)
+        yield serving[0].split(" on ", 1)[1].strip(), out_dir, output, process
     finally:
         process.terminate()
         process.wait(20)
@@ -107,7 +110,7 @@ def post(url: str, body, token: str = TOKEN, raw: bytes | None = None) -> tuple[
 @pytest.mark.slow
 def test_an_openai_agent_plays_through_the_gateway_and_its_trajectories_train_a_grpo_step(
         gateway, academia_url, policy):
-    base_url, out_dir = gateway
+    base_url, out_dir, _, _ = gateway
     done = subprocess.run(
         [sys.executable, "-I", "tests/gateway_agent.py", f"--base_url={base_url}", f"--api_key={TOKEN}",
          f"--env_url={academia_url}", f"--task={TASK}", "--episodes=3", "--horizon=3", "--max_tokens=12"],
@@ -159,7 +162,7 @@ def test_an_openai_agent_plays_through_the_gateway_and_its_trajectories_train_a_
 
 
 def test_bad_requests_get_openai_errors_and_the_gateway_goes_on(gateway):
-    base_url, _ = gateway
+    base_url, _, _, _ = gateway
     chat = f"{base_url}/chat/completions"
     good = {"model": "policy", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 2}
     for body, token, raw, status, words in [
@@ -195,7 +198,7 @@ def test_the_viewer_reads_a_gateway_run_on_its_own(gateway, policy):
     from agentgym_jax.view.__main__ import open_runs
     from agentgym_jax.view.episode import episode_view
 
-    base_url, out_dir = gateway
+    base_url, out_dir, _, _ = gateway
     spec = json.loads((out_dir / "run.json").read_text())
     assert spec["mode"] == "gateway" and spec["policy"] == f"hf:{policy[0]}" and spec["temperature"] == 1.0
     good = {"model": "policy", "messages": [{"role": "user", "content": "Which venue?"}], "max_tokens": 3}
@@ -211,7 +214,7 @@ def test_the_viewer_reads_a_gateway_run_on_its_own(gateway, policy):
 
 
 def test_a_conversation_continues_on_its_cache_and_streams(gateway, policy):
-    base_url, _ = gateway
+    base_url, _, _, _ = gateway
     tokenizer = load_tokenizer(policy[0])
     client = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
     messages = [{"role": "user", "content": "Which paper cites which?"}]
@@ -233,7 +236,7 @@ def test_foreign_tool_calls_are_prompt_and_concurrent_conversations_are_answered
     """An assistant message the gateway did not write is framed as the template writes it (this
     ChatML template drops tool calls, so they become `<tool_call>` blocks); four requests at once
     on two rows are all answered, and of twelve at once those past four in flight get a 429."""
-    base_url, _ = gateway
+    base_url, _, _, _ = gateway
     tokenizer = load_tokenizer(policy[0])
     call = {"id": "c1", "type": "function", "function": {"name": "loadPaperNet", "arguments": "{}"}}
     messages = [{"role": "user", "content": "Load the net."}, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -279,3 +282,79 @@ def test_replies_become_openai_messages(text, names, content, calls, reasoning):
     # Sent back as the openai package sends it, the message is recognised as the one answered.
     echoed = {"role": "assistant", "content": message["content"], "tool_calls": message.get("tool_calls")}
     assert oa.message_key(oa.normalize_message(echoed, 0)) == oa.message_key(oa.normalize_message(message, 0))
+
+
+def test_a_new_user_s_requests_are_answered_as_openai_clients_expect(gateway, policy):
+    """Warm-up with progress and compile lines, readiness on /health; OpenAI's conformance points;
+    a body over the limit refused before it is read while /health stays quick; tools written into
+    the system turn where the template writes no tool list; the end-of-turn id outside the
+    message's log-probs."""
+    base_url, _, output, _ = gateway
+    root = base_url.removesuffix("/v1")
+    deadline = time.time() + 120
+    while (health := _health(root))[0] == 503:  # warming up: the shapes of first turns compile
+        assert health[1]["status"] == "warming_up" and time.time() < deadline
+        time.sleep(0.5)
+    assert health == (200, {**health[1], "status": "ok", "policy_version": 0})
+    log = "".join(output)
+    assert "gateway warm-up" in log and re.search(r"compiled jit\([^)]*\) for the warm-up fill of 1 row", log)
+    chat = f"{base_url}/chat/completions"
+    good = {"model": "policy", "messages": [{"role": "user", "content": "Hello."}], "max_tokens": 2}
+    for body, status, words in [
+        ({k: v for k, v in good.items() if k != "model"}, 400, "model is required"),
+        ({**good, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs=2 is not supported"),
+        ({**good, "response_format": {"type": "json_object"}}, 400, "response_format=.* is not supported"),
+    ]:
+        got, answer = post(chat, body)
+        assert got == status and re.search(words, answer["error"]["message"]), (body, answer)
+    assert post(chat, {**good, "top_logprobs": 0, "response_format": {"type": "text"}})[0] == 200
+
+    big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(post, chat, None, TOKEN, big)
+        start = time.time()
+        assert _health(root)[0] == 200 and time.time() - start < 5
+        status, answer = refused.result()
+    assert status == 413 and "at most 4194304" in answer["error"]["message"]
+
+    tokenizer = load_tokenizer(policy[0])
+    tool = {"type": "function", "function": {"name": "loadPaperNet", "description": "Load the paper net.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    client = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
+    answer = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Go."}], tools=[tool])
+    prompt = tokenizer.decode(answer.model_extra["agentgym"]["prompt_token_ids"])
+    assert prompt.startswith("<|im_start|>system\n# Tools\n") and json.dumps(tool) in prompt  # ChatML writes no tool list
+    for k in range(400):  # until a reply ends on its own (its last sampled id is the end-of-turn token;
+        # about one reply in 50 of this policy does, and a reply costs milliseconds)
+        answer = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"Go {k}."}],
+                                                logprobs=True)
+        if answer.choices[0].finish_reason == "stop":
+            break
+    extension = answer.model_extra["agentgym"]
+    assert answer.choices[0].finish_reason == "stop" and extension["completion_token_ids"][-1] == \
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert [t.logprob for t in answer.choices[0].logprobs.content] == extension["completion_logprobs"][:-1]
+    assert "".join(t.token for t in answer.choices[0].logprobs.content) == answer.choices[0].message.content
+
+
+def _health(root: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{root}/health", timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_at_ctrl_c_open_conversations_are_counted_and_written_unrewarded(gateway):
+    """The module's last test: it stops the gateway. Conversations left open (here, the earlier
+    tests' unrewarded ones) are counted in the log and, with write_unrewarded, written apart."""
+    base_url, out_dir, output, process = gateway
+    _, health = _health(base_url.removesuffix("/v1"))
+    assert health["conversations"] > 0
+    process.send_signal(signal.SIGINT)
+    process.wait(60)
+    counted = re.search(r"(\d+) open conversations were never rewarded: written to", "".join(output))
+    unrewarded = list(read_jsonl(str(out_dir / "unrewarded.jsonl")))
+    assert counted and int(counted[1]) == len(unrewarded)
+    assert 0 < len(unrewarded) <= health["conversations"]  # those with a sampled turn
+    assert {t.status.value for t in unrewarded} == {"infra_error"} and all(sum(t.loss_mask) for t in unrewarded)

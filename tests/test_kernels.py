@@ -96,14 +96,17 @@ def test_kernels_run_per_shard_and_match_one_device(tensor):
 
 def test_auto_picks_each_kernel_on_its_backend_and_a_wrong_one_is_a_config_error():
     assert AttentionKernels.for_backend(backend="cpu") == AttentionKernels()
-    assert AttentionKernels.for_backend(backend="tpu") == AttentionKernels(training="splash")
-    assert AttentionKernels.for_backend(backend="gpu") == AttentionKernels(decode="triton")
-    assert AttentionKernels.for_backend("xla", "xla", backend="tpu") == AttentionKernels()
+    # a mixture of experts: grouped matmuls on accelerators, every expert on every token on the CPU
+    assert AttentionKernels.for_backend(backend="tpu") == AttentionKernels(training="splash", moe_dispatch="ragged")
+    assert AttentionKernels.for_backend(backend="gpu") == AttentionKernels(decode="triton", moe_dispatch="ragged")
+    assert AttentionKernels.for_backend("xla", "xla", backend="tpu", moe_dispatch="dense") == AttentionKernels()
     config = setup_config(attention_kernel="splash")
     with pytest.raises(ConfigError, match="config.model: training attention kernel 'splash' runs on tpu, not cpu"):
         settings.attention_kernels(config)
     with pytest.raises(ConfigError, match="decode attention kernel 'paged' is not one of xla, triton"):
         settings.attention_kernels(setup_config(decode_kernel="paged"))
+    with pytest.raises(ConfigError, match="moe_dispatch 'sorted' is not one of dense, ragged"):
+        settings.attention_kernels(setup_config(moe_dispatch="sorted"))
 
 
 def setup_config(**model):

@@ -17,7 +17,7 @@ from tests.rl_runs import run_rl_job
 SHORT = {
     "sft.num_tasks": 16, "sft.epochs": 1, "eval.num_tasks": 8,
     "train.steps": 1, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 1,
-    "rollout.batch_tasks": 1, "rollout.group_size": 4, "algo.num_microbatches": 2,  # 4 rows, not the recipe's 24
+    "rollout.batch_tasks": 1, "rollout.group_size": 4, "algo.num_microbatches": 1,  # one group of 4 rows, not 24
 }
 
 

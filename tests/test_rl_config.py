@@ -38,7 +38,7 @@ OVERRIDES = {
     "num_minibatches": 4, "num_microbatches": 2, "length_buckets": 3, "policy_loss": "gspo", "clip_eps_low": 0.1,
     "clip_eps_high": 0.28, "dual_clip_c": 3.0, "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01,
     "vf_coef": 0.25, "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
-    "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True,
+    "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True, "shared_prefix": False,
     "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5,
 }
 HPARAM_KEYS = {"epsilon": "advantage_epsilon"}

@@ -20,13 +20,7 @@ MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_s
                           num_heads=4, num_kv_heads=2, head_dim=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    """XLA optimisations off: the update steps compile about twice as fast (see test_train_steps)."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def learning_rates(tx: optax.GradientTransformation, updates: int) -> list[float]:

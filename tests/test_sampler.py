@@ -351,7 +351,7 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
     while turn.active.any():
         before, gathered = turn.count.copy(), 4 if turn.active.sum() > 2 else 2  # the decode bucket
         work = sampler.work.decode_row_steps
-        slots, turn, (chunk, chunk_logprobs, _, index) = sampler.decode_chunk(
+        slots, turn, (chunk, chunk_logprobs, _, _, index) = sampler.decode_chunk(
             params, slots, turn, jax.random.key(9), 3, index
         )
         assert chunk.shape == (8, 3)  # indexed by slot row

@@ -45,8 +45,8 @@ def tiny_config():
     return config
 
 
-# The released checkpoints' config.json values (Qwen/Qwen2.5-*-Instruct on the Hugging Face hub),
-# written out here rather than read from configs/models.py.
+# The released checkpoints' config.json values (on the Hugging Face hub), written out here rather
+# than read from configs/models.py.
 QWEN = dict(family="qwen2", rms_norm_eps=1e-6, qkv_bias=True, o_bias=False, qk_norm=False, rope=RopeConfig(theta=1e6),
             max_position_embeddings=32768)
 RELEASED = {
@@ -55,6 +55,25 @@ RELEASED = {
     "qwen2.5-7b": ModelConfig(**QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                               num_heads=28, num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
 }
+# google/gemma-3-1b-it and the text_config of google/gemma-3-4b-it: five local layers per global one.
+GEMMA3 = dict(family="gemma3_text", rms_norm_eps=1e-6, qk_norm=True, hidden_act="gelu_pytorch_tanh", norm_plus_one=True,
+              sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=256, tie_word_embeddings=True,
+              local_rope=RopeConfig(theta=1e4), head_dim=256)
+RELEASED.update({
+    "gemma-3-1b": ModelConfig(**GEMMA3, vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                              num_heads=4, num_kv_heads=1, rope=RopeConfig(theta=1e6), max_position_embeddings=32768,
+                              sliding_window=512, layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                                                    for i in range(26))),
+    "gemma-3-4b": ModelConfig(**GEMMA3, vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+                              num_heads=8, num_kv_heads=4, rope=RopeConfig(theta=1e6, type="linear", factor=8.0),
+                              max_position_embeddings=131072, sliding_window=1024,
+                              layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(34))),
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": ModelConfig(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                                 rope=RopeConfig(theta=1e6), max_position_embeddings=40960, qk_norm=True,
+                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+})
 
 
 @pytest.mark.parametrize("preset", sorted(models.PRESETS))

@@ -45,12 +45,7 @@ TX = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_lik
                                   update=lambda grads, state, params=None: (jax.tree.map(jnp.negative, grads), grads))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def group_rows(groups: int = 4, size: int = 4, seed: int = 0, shared: bool = True) -> TokenBatch:
@@ -161,10 +156,14 @@ def test_groups_pack_into_units_and_rows_that_share_nothing_stay_plain():
     real = np.asarray(batch.positions) >= 0
     assert (layout.positions >= 0).sum() < 0.6 * real.sum()  # each prompt once, not four times
     np.testing.assert_array_equal(packed.tokens, batch.tokens)  # rows already in unit order
-    # A group larger than a unit is cut into several (each with its own copy of the prompt).
+    # A group larger than a unit is cut into several (each with its own copy of the prompt); groups that
+    # fit share one (two trees in one row); what trains nothing is left out.
     halves = pack_groups(batch, rows_per_unit=2)
     assert halves.layout.tokens.shape[0] == 8
-    assert units_of(np.asarray(batch.group_ids), 2, np.ones(16, bool))[:2] == [[0, 1], [2, 3]]
+    groups = np.asarray(batch.group_ids)
+    assert units_of(groups, 2, np.ones(16, bool))[:2] == [[0, 1], [2, 3]]
+    assert units_of(groups, 8, np.ones(16, bool)) == [list(range(8)), list(range(8, 16))]
+    assert units_of(groups, 6, np.arange(16) % 4 != 0) == [[1, 2, 3, 5, 6, 7], [9, 10, 11, 13, 14, 15]]
     # Rows with no token in common: the plain batch itself.
     unshared = group_rows(shared=False)
     assert pack_groups(unshared, rows_per_unit=4) is unshared
@@ -215,8 +214,11 @@ def test_packed_rows_compute_fewer_positions(grpo_steps):
 
 
 def test_ppo_with_a_value_head_on_packed_rows_equals_the_plain_update():
-    config = make_update(MODEL, advantage="gae", num_microbatches=2, kl_coef=0.05, vf_coef=0.5, logprobs_at="loss")
-    batch = pack_groups(group_rows(seed=1), rows_per_unit=4)
+    """Two groups' trees in one packed row, every layer rematerialised in the backward pass."""
+    config = make_update(MODEL, advantage="gae", num_microbatches=2, kl_coef=0.05, vf_coef=0.5, logprobs_at="loss",
+                         remat="full")
+    batch = pack_groups(group_rows(seed=1), rows_per_unit=8)
+    assert batch.layout.tokens.shape[0] == 2
     got = _rl_step(config, batch, value_head=True)
     want = _rl_step(replace(config, logprobs_at="all"), plain(batch), value_head=True)
     assert_same_step(got, want, np.asarray(batch.loss_mask) > 0)

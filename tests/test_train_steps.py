@@ -41,12 +41,7 @@ EPOCH_ROWS = 16
 rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 @functools.cache

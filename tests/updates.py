@@ -9,7 +9,8 @@ from typing import Any
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from agentgym_jax.rl.losses import POLICY_LOSSES
-from agentgym_jax.train.steps import Batching, Forward, RLSpec, UpdateConfig
+from agentgym_jax.train.scoring import Forward
+from agentgym_jax.train.steps import Batching, RLSpec, UpdateConfig
 
 
 def update(model: ModelConfig, rl: bool = True, **fields: Any) -> UpdateConfig:

@@ -28,11 +28,13 @@ from agentgym_jax.eval import perturbed
 from agentgym_jax.eval.accounting import EvalSummary, summarize
 from agentgym_jax.eval.report import markdown_table, write_report
 from agentgym_jax.eval.schedule import check_run_spec, task_ids
+from agentgym_jax.gateway import episodes as agent_episodes
+from agentgym_jax.gateway.agents import AgentSpec
 from agentgym_jax.job import play, setup
 from agentgym_jax.models.chat import ChatFraming
 from agentgym_jax.parallel import distributed
 from agentgym_jax.parallel.distributed import is_writer
-from agentgym_jax.rollout.collect import Policy, resume_jsonl
+from agentgym_jax.rollout.collect import ModelPolicy, Policy, resume_jsonl
 from agentgym_jax.rollout.trajectory import Trajectory
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
@@ -130,7 +132,9 @@ def run_setting(
         infos = job.infos
         for info in infos.values():
             perturbed.check_confirmed(info, config.env.get("perturbation", ""))
-        policy = policy or setup.make_policy(config, infos, out_dir)
+        agent = AgentSpec.of(config.env)  # an agent program plays each episode through the policy
+        play_with = ModelPolicy if agent is None else agent_episodes.agent_policy(config, agent, out_dir)
+        policy = policy or setup.make_policy(config, infos, out_dir, play_with)
         summary = report(
             policy[0], {env: job.pool(env) for env in infos}, infos,
             {env: task_ids(config, info) for env, info in infos.items()},

@@ -8,6 +8,9 @@ extends (the longest such, the latest used among equals: conversations identical
 interchangeable so far); its new messages must answer the last turn (tool results or a user
 message). Anything else starts a new conversation whose prompt is the whole request, earlier
 assistant turns included as prompt (loss_mask 0): token-exact, but not trained on.
+
+Conversations of an agent episode (an RL or evaluation job's, `gateway/episodes.py`) carry the
+episode's key; a request made with that key matches only them, so episodes never share one.
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ class Conversation:
     row: int | None = None  # the sampler row holding its cache (`Batcher`)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     busy: bool = False  # a request of it is in flight
+    episode: str | None = None  # the agent episode it belongs to (its key), None outside one
+    versions: list[int] = dataclasses.field(default_factory=list)  # the policy version of each sampled id
 
     @property
     def token_ids(self) -> list[int]:
         return self.transcript.token_ids
+
+    def token_versions(self) -> list[int]:
+        """Per token id, the version that sampled it (-1 off the loss mask): `Trajectory.token_versions`."""
+        versions = iter(self.versions)
+        return [next(versions) if m else -1 for m in self.transcript.loss_mask]
 
 
 class ConversationTable:
@@ -45,18 +55,18 @@ class ConversationTable:
         self._numbers = itertools.count()
         self.expired = 0
 
-    def new(self, transcript: Transcript, tools_key: str) -> Conversation:
+    def new(self, transcript: Transcript, tools_key: str, episode: str | None = None) -> Conversation:
         number = next(self._numbers)
-        conversation = Conversation(number, f"conv-{number}", transcript, tools_key)
+        conversation = Conversation(number, f"conv-{number}", transcript, tools_key, episode=episode)
         self.open[conversation.id] = conversation
         return conversation
 
-    def match(self, request: ChatRequest) -> tuple[Conversation | None, list[dict[str, Any]]]:
-        """(the conversation the request continues and its new messages), or (None, all of them)."""
+    def match(self, request: ChatRequest, episode: str | None = None) -> tuple[Conversation | None, list[dict[str, Any]]]:
+        """(the conversation of `episode` the request continues and its new messages), or (None, all of them)."""
         keys = [message_key(m) for m in request.messages]
         if request.conversation_id is not None:
             conversation = self.open.get(request.conversation_id)
-            if conversation is None:
+            if conversation is None or conversation.episode != episode:
                 raise GatewayError(404, f"conversation {request.conversation_id!r} is closed (rewarded or expired) "
                                         "or unknown", code="conversation_not_found")
             if conversation.busy:
@@ -74,7 +84,7 @@ class ConversationTable:
                                         "its last turn: tool results or one user message")
             return conversation, request.messages[known:]
         candidates = [c for c in self.open.values()
-                      if not c.busy and c.tools_key == request.tools_key and len(c.keys) < len(keys)
+                      if c.episode == episode and not c.busy and c.tools_key == request.tools_key and len(c.keys) < len(keys)
                       and keys[: len(c.keys)] == c.keys and _answers(request.messages[len(c.keys):])]
         if not candidates:
             return None, request.messages
@@ -89,6 +99,13 @@ class ConversationTable:
         if conversation.busy:
             raise GatewayError(409, f"conversation {conversation_id!r} has a request in flight", code="conversation_busy")
         return self.open.pop(conversation_id)
+
+    def of_episode(self, episode: str) -> list[Conversation]:
+        """The episode's open conversations, taken out of the table, in the order they began."""
+        mine = [c for c in self.open.values() if c.episode == episode]
+        for conversation in mine:
+            del self.open[conversation.id]
+        return mine
 
     def idle_since(self, deadline: float) -> list[Conversation]:
         """Conversations unused since `deadline` (monotonic), taken out of the table."""

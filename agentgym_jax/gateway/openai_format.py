@@ -64,7 +64,9 @@ def read_request(body: Any, model: str, sampling: Mapping[str, float]) -> ChatRe
     repeat but not change (the trainer scores the policy at the temperature it sampled at)."""
     if not isinstance(body, dict):
         raise GatewayError(400, "the body must be a JSON object")
-    if body.get("model") != model:
+    if not isinstance(body.get("model"), str):
+        raise GatewayError(400, f"model is required (a string): this gateway serves {model!r}", code="missing_model")
+    if body["model"] != model:
         raise GatewayError(404, f"model {body.get('model')!r} is not served here; this gateway serves {model!r}",
                            "invalid_request_error", "model_not_found")
     messages = body.get("messages")
@@ -78,6 +80,12 @@ def read_request(body: Any, model: str, sampling: Mapping[str, float]) -> ChatRe
         raise GatewayError(400, f"n={body.get('n')!r}: one choice per request (send n requests for n samples)")
     if body.get("stop") not in (None, [], ""):
         raise GatewayError(400, "stop sequences are not supported: a turn ends at the model's end-of-turn token")
+    if body.get("top_logprobs") not in (None, 0):
+        raise GatewayError(400, f"top_logprobs={body['top_logprobs']!r} is not supported: the sampler keeps the sampled "
+                                "token's log-prob only (logprobs=true gives it); leave top_logprobs out or 0")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise GatewayError(400, f"response_format={body['response_format']!r} is not supported: replies are sampled "
+                                "unconstrained from the policy being trained; leave it out or {'type': 'text'}")
     if body.get("tool_choice") not in (None, "auto", "none"):
         raise GatewayError(400, f"tool_choice={body.get('tool_choice')!r} is not supported (only 'auto' and 'none')")
     tools = body.get("tools") or []

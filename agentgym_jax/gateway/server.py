@@ -21,17 +21,25 @@ It binds 127.0.0.1 unless told otherwise; `max_conversations` conversations samp
 sampler row each) and at most `max_queue` requests wait, beyond which it answers 429. Sampling
 settings are the gateway's (a request may repeat its temperature, not change it): the recorded
 log-probs are the policy's at the temperature the trainer will score it at.
+
+At start-up it compiles the shapes of first turns up to `warmup_tokens` (progress and each
+compilation logged; `/health` answers 503 `warming_up` until it is done; requests wait). Inside
+an RL or evaluation job (`gateway/episodes.py`) the same server runs in-process: each agent
+episode gets an API key of its own that its conversations are filed under (`open_episode`,
+`close_episode`), and the job swaps the weights in place after every update (`publish`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging as py_logging
 import math
 import pathlib
+import secrets
 import signal
 import time
 from typing import Any
@@ -43,17 +51,33 @@ from aiohttp import web
 
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.gateway import openai_format as oa
-from agentgym_jax.gateway.batcher import Batcher, ContextTooLong
+from agentgym_jax.gateway.batcher import Batcher, ContextTooLong, warm_up, warmup_lengths
 from agentgym_jax.gateway.conversations import Conversation, ConversationTable
 from agentgym_jax.job import setup
 from agentgym_jax.models.chat import ChatFraming, FramingError
+from agentgym_jax.progress import Progress
 from agentgym_jax.rollout.engine import RolloutConfig
-from agentgym_jax.rollout.trajectory import write_jsonl
+from agentgym_jax.rollout.stream import PolicyWeights, StreamTimes
+from agentgym_jax.rollout.tool_use import tool_prompt
+from agentgym_jax.rollout.trajectory import Trajectory, write_jsonl
 from agentgym_jax.rollout.transcript import Transcript
-from agentgym_jax.sampling.sampler import Sampler
+from agentgym_jax.sampling.sampler import Sampler, StopReason
 
 TRAJECTORIES_NAME = "trajectories.jsonl"
 RUN_KEYS = ("policy", "checkpoint_step", "policy_version", "model_name", "temperature", "seed")  # run.json
+UNREWARDED_NAME = "unrewarded.jsonl"  # open conversations written at shutdown (`write_unrewarded`), never trained on
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+EPISODE = web.RequestKey("episode", str)  # the agent episode a request belongs to (its API key)
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """An agent episode's conversations as the gateway filed them (`Gateway.close_episode`)."""
+
+    key: str
+    conversations: list[Conversation] = dataclasses.field(default_factory=list)  # with a sampled turn, none in flight
+    restarts: int = 0  # conversations begun with assistant messages the gateway did not answer (a changed history)
+    dropped: int = 0  # conversations left with a request in flight, or without a sampled turn: not recorded
 
 
 class Gateway:
@@ -63,7 +87,7 @@ class Gateway:
         self,
         sampler: Sampler,
         framing: ChatFraming,
-        params: Any,
+        weights: Any,
         out_dir: str | pathlib.Path,
         *,
         model_name: str = "policy",
@@ -75,20 +99,68 @@ class Gateway:
         idle_timeout_s: float = 900.0,
         seed: int = 0,
         policy_version: int = 0,
+        max_body_bytes: int = 4 * 2**20,
+        warmup_tokens: int = 0,
+        write_unrewarded: bool = False,
+        times: StreamTimes | None = None,
+        log_requests: bool = True,
     ):
+        """`weights`: the params, or a `PolicyWeights` whose newest weights (and version) every
+        turn samples with; `warmup_tokens`: first prompts up to this long are compiled at start-up."""
         self.framing, self.model_name, self.auth_token = framing, model_name, auth_token
         self.max_tokens_per_turn = min(max_tokens_per_turn, sampler.config.max_new_tokens)
-        self.max_queue, self.idle_timeout_s, self.policy_version = max_queue, idle_timeout_s, policy_version
+        self.max_queue, self.idle_timeout_s, self.max_body_bytes = max_queue, idle_timeout_s, max_body_bytes
         self.sampling = {"temperature": sampler.config.temperature, "top_p": sampler.config.top_p}
-        self.batcher = Batcher(sampler, params, max_conversations, decode_chunk, jax.random.key(seed))
+        if not isinstance(weights, PolicyWeights):
+            weights = PolicyWeights(weights, policy_version)
+        self.batcher = Batcher(sampler, weights, max_conversations, decode_chunk, jax.random.key(seed), times)
         self.table = ConversationTable()
         self.path = pathlib.Path(out_dir) / TRAJECTORIES_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write_unrewarded, self.log_requests = write_unrewarded, log_requests
         self.in_flight = self.recorded = 0
+        self.episodes: dict[str, EpisodeRecord] = {}  # open agent episodes by their API key
+        self.warmup = warmup_lengths(sampler, warmup_tokens)
+        self.warmed = 0 if self.warmup else None  # shapes compiled so far; None when ready
         self._tasks: list[asyncio.Task] = []
 
+    def publish(self, params: Any, version: int) -> None:
+        """(any thread) Serve `params` as policy version `version` from the next decode chunk on."""
+        self.batcher.publish(params, version)
+
+    def open_episode(self) -> str:
+        """A new agent episode: the API key its requests carry (and nothing else accepts)."""
+        key = f"episode-{secrets.token_hex(12)}"
+        self.episodes[key] = EpisodeRecord(key)
+        return key
+
+    def close_episode(self, key: str) -> EpisodeRecord:
+        """Ends the episode (its key is refused from now on) and takes its conversations: those
+        with a sampled turn and no request in flight, the others dropped and counted."""
+        record = self.episodes.pop(key)
+        for conversation in self.table.of_episode(key):
+            if conversation.busy:  # its turn decodes on: the row goes to another once it is idle
+                record.dropped += 1
+                continue
+            self.batcher.release(conversation)
+            if conversation.transcript.num_turns:
+                record.conversations.append(conversation)
+            else:
+                record.dropped += 1
+        return record
+
+    def trajectory(self, conversation: Conversation, reward: float, status: EpisodeStatus, *, task_id: int,
+                   group_id: int, env: str, **fields: Any) -> Trajectory:
+        """The conversation's record: the reward on its last sampled id, each sampled id's version."""
+        turns = conversation.transcript.num_turns
+        return conversation.transcript.to_trajectory(
+            task_id=task_id, env=env, group_id=group_id, turn_rewards=[0.0] * (turns - 1) + [float(reward)],
+            status=status, policy_version=min(conversation.versions), token_versions=conversation.token_versions(),
+            **fields,
+        )
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._authorize], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors, self._authorize], client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/conversations/{id}/reward", self.reward)
         app.router.add_get("/v1/models", self.models)
@@ -103,15 +175,26 @@ class Gateway:
         chat = oa.read_request(await _json_body(request), self.model_name, self.sampling)
         if self.in_flight >= self.max_queue:
             raise oa.GatewayError(429, f"{self.in_flight} requests are in flight (max_queue); retry later", "rate_limit_error")
-        conversation, new = self.table.match(chat)
-        messages = [oa.framing_message(self.framing, m) for m in new]
+        self.in_flight += 1  # from here on: framing and tokenizing count, as well as sampling
         try:
+            return await self._complete(request, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _complete(self, request: web.Request, chat: oa.ChatRequest) -> web.StreamResponse:
+        episode = request.get(EPISODE)
+        conversation, new = self.table.match(chat, episode)
+        messages = [oa.framing_message(self.framing, m) for m in new]
+        try:  # tokenized off the event loop: a long message must not stall the other clients
             if conversation is None:
-                prompt = self.framing.prompt_ids(messages, tools=chat.tools or None)
-                conversation = self.table.new(Transcript(self.framing, prompt), chat.tools_key)
+                prompt = await asyncio.to_thread(tool_prompt, self.framing, messages, chat.tools or None)
+                conversation = self.table.new(Transcript(self.framing, prompt), chat.tools_key, episode)
                 appended = prompt.ids
+                if episode in self.episodes and any(m["role"] == "assistant" for m in new):
+                    self.episodes[episode].restarts += 1
             else:
-                appended = conversation.transcript.add_observation(ids=conversation.transcript.answer_ids(messages))
+                ids = await asyncio.to_thread(conversation.transcript.answer_ids, messages)
+                appended = conversation.transcript.add_observation(ids=ids)
         except FramingError as e:
             raise oa.GatewayError(400, f"the conversation cannot be framed: {e}") from None
         conversation.keys += [oa.message_key(m) for m in new]
@@ -142,30 +225,35 @@ class Gateway:
         env = body.get("env", "gateway")
         if not isinstance(env, str):
             raise oa.GatewayError(400, f"env must be a string, got {env!r}")
+        if request.get(EPISODE) is not None:
+            raise oa.GatewayError(400, "this conversation belongs to an agent episode of a job: the job rewards it with "
+                                       "what the agent function returns (docs/agents.md)")
         conversation = self.table.close(request.match_info["id"])
         self.batcher.release(conversation)
-        turns = conversation.transcript.num_turns
-        trajectory = conversation.transcript.to_trajectory(
+        trajectory = self.trajectory(
+            conversation, reward, status, env=env,
             task_id=conversation.number if fields["task_id"] is None else fields["task_id"],
-            env=env,
             group_id=conversation.number if fields["group_id"] is None else fields["group_id"],
-            turn_rewards=[0.0] * (turns - 1) + [float(reward)],  # on the last sampled token
-            status=status,
             sample_idx=fields["sample_idx"] or 0,
-            policy_version=self.policy_version,
         )
         await asyncio.to_thread(write_jsonl, str(self.path), [trajectory])
         self.recorded += 1
-        return web.json_response({"conversation_id": conversation.id, "recorded": True, "turns": turns,
-                                  "tokens": len(trajectory.token_ids), "status": status.value})
+        return web.json_response({"conversation_id": conversation.id, "recorded": True,
+                                  "turns": conversation.transcript.num_turns, "tokens": len(trajectory.token_ids),
+                                  "status": status.value})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "agentgym_jax"}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model_name, "conversations": len(self.table.open),
-                                  "recorded": self.recorded, "expired": self.table.expired, "in_flight": self.in_flight,
-                                  "sampling_rows": self.batcher.busy_rows, "rebuilt_rows": self.batcher.rebuilds})
+        """200 `ok` once ready; 503 `warming_up` (with how many shapes are compiled) before."""
+        body = {"status": "ok" if self.warmed is None else "warming_up", "model": self.model_name,
+                "policy_version": self.batcher.weights.newest()[0], "conversations": len(self.table.open),
+                "recorded": self.recorded, "expired": self.table.expired, "in_flight": self.in_flight,
+                "sampling_rows": self.batcher.busy_rows, "rebuilt_rows": self.batcher.rebuilds}
+        if self.warmed is not None:
+            body["warmup"] = {"done": self.warmed, "total": len(self.warmup) + 1}
+        return web.json_response(body, status=200 if self.warmed is None else 503)
 
     # ---- internals ----
 
@@ -175,7 +263,7 @@ class Gateway:
         turn, context = conversation.transcript.num_turns, len(conversation.token_ids)
         limit = min(chat.max_tokens or self.max_tokens_per_turn, self.max_tokens_per_turn)
         conversation.busy = True
-        self.in_flight += 1
+        start = time.monotonic()
         try:
             sampled = await self.batcher.sample(conversation, appended, limit, turn)
         except ContextTooLong as e:
@@ -184,17 +272,21 @@ class Gateway:
                                   code="context_length_exceeded") from None
         finally:
             conversation.busy, conversation.last_used = False, time.monotonic()
-            self.in_flight -= 1
         conversation.transcript.add_policy_turn(sampled.ids, sampled.logprobs)
+        conversation.versions += sampled.versions.tolist()
         tokenizer = self.framing.tokenizer
         text = tokenizer.decode(sampled.ids, skip_special_tokens=True)
         message = oa.reply_message(text, chat.tool_names, conversation.number, turn)
         conversation.keys.append(oa.message_key(oa.normalize_message(message, -1)))
         token_logprobs = None
-        if chat.logprobs:
+        if chat.logprobs:  # the message's tokens: the end-of-turn id the policy sampled is not part of it
+            shown = len(sampled.ids) - (sampled.stop is StopReason.END_OF_TURN)
             token_logprobs = [{"token": tokenizer.decode([int(t)]), "logprob": float(lp), "top_logprobs": [],
                                "bytes": list(tokenizer.decode([int(t)]).encode())}
-                              for t, lp in zip(sampled.ids, sampled.logprobs)]
+                              for t, lp in zip(sampled.ids[:shown], sampled.logprobs[:shown])]
+        if self.log_requests:
+            logging.info("%s turn %d: %d ids appended, %d sampled (version %d), %.0f ms", conversation.id, turn,
+                         len(appended), len(sampled.ids), int(sampled.versions[-1]), 1000 * (time.monotonic() - start))
         return oa.completion(
             self.model_name, message, oa.finish_reason(message, sampled.stop), conversation_id=conversation.id,
             turn=turn, prompt_ids=appended, completion_ids=sampled.ids, completion_logprobs=sampled.logprobs,
@@ -209,8 +301,22 @@ class Gateway:
                 self.batcher.release(conversation)
                 logging.info("conversation %s expired after %.0f s idle (not recorded)", conversation.id, self.idle_timeout_s)
 
+    async def _warm_up(self, batcher: Batcher) -> None:
+        """Compiles the shapes of first turns up to `warmup_tokens` (`batcher.warm_up`), with progress."""
+        with Progress("gateway warm-up", len(self.warmup) + 1, "shape") as progress:
+            await warm_up(batcher, self.warmup, lambda done: (setattr(self, "warmed", done), progress.set(done)))
+        self.warmed = None
+        logging.info("the gateway is ready: %d shapes compiled", len(self.warmup) + 1)
+
+    def _log_compile(self, event: str, duration: float, **kwargs: Any) -> None:
+        """Logs each compilation the gateway's sampler makes (a new shape: seconds of waiting)."""
+        if event == _COMPILE_EVENT and (label := self.batcher.running()):
+            logging.info("compiled %s for the %s in %.1f s", kwargs.get("fun_name", "a function"), label, duration)
+
     async def _start_tasks(self, app: web.Application) -> None:
-        self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._expire())]
+        jax.monitoring.register_event_duration_secs_listener(self._log_compile)
+        warmup = self._warm_up if self.warmed is not None else None
+        self._tasks = [asyncio.create_task(self.batcher.run(warmup)), asyncio.create_task(self._expire())]
 
     async def _stop_tasks(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -218,6 +324,21 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        jax.monitoring.unregister_event_duration_listener(self._log_compile)
+        self._report_unrewarded()
+
+    def _report_unrewarded(self) -> None:
+        """At shutdown: how many conversations were never rewarded (not recorded), and, with
+        `write_unrewarded`, their records (reward 0, `infra_error`) in `unrewarded.jsonl`."""
+        left = [c for c in self.table.open.values() if c.episode is None and c.transcript.num_turns]
+        if not left:
+            return
+        path = self.path.parent / UNREWARDED_NAME
+        if self.write_unrewarded:
+            write_jsonl(str(path), [self.trajectory(c, 0.0, EpisodeStatus.INFRA_ERROR, task_id=c.number, group_id=c.number,
+                                                    env="gateway") for c in left])
+        logging.warning("%d open conversations were never rewarded: %s", len(left),
+                        f"written to {path}" if self.write_unrewarded else "not recorded (write_unrewarded=True keeps them)")
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -233,9 +354,17 @@ class Gateway:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.auth_token and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.auth_token}".encode()):
+        """The bearer token: an open episode's key (the request is filed under it) or `auth_token`;
+        a body over `max_body_bytes` is refused (413) before it is read."""
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise oa.GatewayError(413, f"the body holds {request.content_length} bytes; this gateway takes at most "
+                                       f"{self.max_body_bytes} (max_body_bytes)", code="request_too_large")
+        header = request.headers.get("Authorization", "")
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if given in self.episodes:
+            request[EPISODE] = given
+        elif self.auth_token and request.path != "/health":
+            if not hmac.compare_digest(given.encode(), self.auth_token.encode()):
                 raise oa.GatewayError(401, "missing or wrong bearer token (Authorization: Bearer <auth_token>)",
                                       "authentication_error", "invalid_api_key")
         return await handler(request)
@@ -255,8 +384,10 @@ def _status(body: dict[str, Any]) -> EpisodeStatus:
 
 
 async def _json_body(request: web.Request) -> Any:
+    """The body parsed off the event loop (aiohttp refuses one over `client_max_size` with 413)."""
+    text = await request.text()
     try:
-        return json.loads(await request.text())
+        return await asyncio.to_thread(json.loads, text)
     except ValueError as e:
         raise oa.GatewayError(400, f"the body is not JSON ({e})") from None
 
@@ -301,6 +432,8 @@ def run(config: ml_collections.ConfigDict) -> None:
         model_name=config.model_name, max_conversations=config.max_conversations, decode_chunk=r.decode_chunk,
         max_tokens_per_turn=r.max_tokens_per_turn, max_queue=config.max_queue, auth_token=config.auth_token,
         idle_timeout_s=config.idle_timeout_s, seed=config.seed, policy_version=config.policy_version,
+        max_body_bytes=config.max_body_bytes, warmup_tokens=config.warmup_tokens,
+        write_unrewarded=config.write_unrewarded,
     )
     for deviation in framing.deviations:
         logging.info("chat template: %s: %s", deviation.kind, deviation.detail)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_collections
 import numpy as np
@@ -169,20 +170,24 @@ def demonstrations(config: ml_collections.ConfigDict, framing: ChatFraming, info
 class HeldOut:
     """A training job's evaluation: its policy on the first `eval.num_tasks` test tasks, up to
     `eval.horizon` turns at `eval.temperature` (greedy: 0), one sample each, with a sampler of
-    its own on this process's devices (compiled once, used for every evaluation of the job)."""
+    its own on this process's devices (compiled once, used for every evaluation of the job).
+    `play_with(sampler, framing, params, rollout)`: the policy that plays (an agent program's
+    job: `gateway/episodes.agent_policy`)."""
 
     config: ml_collections.ConfigDict
     job: Job
     framing: ChatFraming
     sampler: Sampler
     rollout: RolloutConfig
+    play_with: Callable[[Sampler, ChatFraming, Any, RolloutConfig], Policy] = ModelPolicy
 
     @classmethod
-    def of(cls, config: ml_collections.ConfigDict, job: Job, model: ModelConfig, framing: ChatFraming) -> HeldOut:
+    def of(cls, config: ml_collections.ConfigDict, job: Job, model: ModelConfig, framing: ChatFraming,
+           play_with: Callable[[Sampler, ChatFraming, Any, RolloutConfig], Policy] = ModelPolicy) -> HeldOut:
         if config.eval.num_tasks < 1:
             raise ConfigError(f"eval.num_tasks must be >= 1 (the report compares held-out success), got {config.eval.num_tasks}")
         rollout = settings.rollout(config, temperature=config.eval.temperature, group_size=1)
-        return cls(config, job, framing, make_sampler(config, model, framing, rollout), rollout)
+        return cls(config, job, framing, make_sampler(config, model, framing, rollout), rollout, play_with)
 
     @property
     def task_ids(self) -> list[int]:
@@ -191,7 +196,7 @@ class HeldOut:
     def __call__(self, params, path: pathlib.Path, desc: str) -> dict:
         """`evaluation_metrics` of the policy `params` (on this process's devices: `setup.local_policy`);
         its episodes go to `path` (one file per process), written afresh."""
-        policy = ModelPolicy(self.sampler, self.framing, params, self.rollout)
+        policy = self.play_with(self.sampler, self.framing, params, self.rollout)
         records = evaluate(policy, self.job.pool(), self.job.info, self.task_ids, path, horizon=self.config.eval.horizon,
                            seed=self.config.seed, fresh=True, desc=desc)
         return evaluation_metrics(records)

@@ -34,9 +34,11 @@ def require_untuned(config: ml_collections.ConfigDict) -> None:
 
 
 def attention_kernels(config: ml_collections.ConfigDict) -> AttentionKernels:
-    """`config.model.attention_kernel` (training rows) and `decode_kernel` resolved for this backend."""
+    """`config.model.attention_kernel` (training rows), `decode_kernel` and a mixture of experts'
+    `moe_dispatch` resolved for this backend."""
     try:
-        return AttentionKernels.for_backend(config.model.attention_kernel, config.model.decode_kernel)
+        return AttentionKernels.for_backend(config.model.attention_kernel, config.model.decode_kernel,
+                                            moe_dispatch=config.model.get("moe_dispatch", "auto"))
     except ValueError as e:
         raise ConfigError(f"config.model: {e}") from e
 

@@ -326,7 +326,8 @@ def tokenizer_and_model(
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     """The Hugging Face folder's config, or the model `config.model` describes: its shape, and the
     vocabulary, tied head, RoPE base and context length where it names them (a `configs/models.py`
-    preset does), else the tokenizer's `vocab_size` and the small model's defaults.
+    preset does), else the tokenizer's `vocab_size` and the small model's defaults; a preset's
+    `hf_config` (its checkpoint's other config.json keys: Gemma's windows, the experts) on top.
 
     A config's vocabulary smaller than its tokenizer's is refused: ids past the embedding table
     would be looked up out of range (silently clipped by XLA), not learned.
@@ -342,6 +343,12 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
             f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab_size} ids; "
             f"set model.vocab_size >= {vocab_size} (or leave it out to take the tokenizer's)"
         )
+    if m.get("hf_config"):  # a released checkpoint's own config.json keys beyond the shape (a preset's)
+        shape = dict(model_type=m.family, vocab_size=m.get("vocab_size") or vocab_size, hidden_size=m.hidden_size,
+                     intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                     num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim)
+        named = {key: m[key] for key in ("tie_word_embeddings", "max_position_embeddings", "rope_theta") if m.get(key) is not None}
+        return ModelConfig.from_hf_dict({**m.hf_config.to_dict(), **shape, **named})
     return ModelConfig.small(
         m.family,
         vocab_size=m.get("vocab_size") or vocab_size,
@@ -440,22 +447,28 @@ def checkpoint_params(directory: pathlib.Path, step: int, model: ModelConfig, me
 
 
 def make_policy(
-    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], workdir: pathlib.Path
+    config: ml_collections.ConfigDict, infos: Mapping[str, TaskInfo], workdir: pathlib.Path,
+    play_with: Callable[[Sampler, ChatFraming, Any, RolloutConfig], Policy] = ModelPolicy,
 ) -> tuple[Policy, ChatFraming]:
     """`config.policy` (eval, collect): "oracle", "checkpoint:<job folder>" (its latest orbax
     checkpoint, or `checkpoint_step`; its `config.json` and `tokenizer/`), "hf:<folder>",
     "hf:<org>/<name>" (the Hugging Face cache) or "pretrained:<name>"; and the chat framing its
-    trajectories are tokenized with. A model runs on this process's devices (`sampler_mesh`);
-    the oracle's tokenizer is built from the environments' instructions in `workdir`."""
+    trajectories are tokenized with. A model runs on this process's devices (`sampler_mesh`),
+    played by `play_with(sampler, framing, params, rollout)` (an agent program's evaluation:
+    `gateway/episodes.agent_policy`); the oracle's tokenizer is built from the environments'
+    instructions in `workdir`."""
     kind, _, where = config.policy.partition(":")
     if kind == "oracle" and not where:
+        if play_with is not ModelPolicy:
+            raise ConfigError("policy='oracle' plays the environment itself: an agent program (env.agent) needs a model "
+                              "policy ('checkpoint:<dir>', 'hf:<dir>' or 'pretrained:<name>')")
         corpus = [info.instruction for info in infos.values()]
         framing = tokenizer_and_framing(config, workdir, corpus)
         return OraclePolicy(framing, config.rollout.action_format, config.rollout.get("tool_calls", False)), framing
     config, framing, model, params = load_policy(config, "'oracle', ")
     rollout = settings.rollout(config, temperature=config.temperature, group_size=1)
     sampler = make_sampler(config, model, framing, rollout)
-    return ModelPolicy(sampler, framing, params, rollout), framing
+    return play_with(sampler, framing, params, rollout), framing
 
 
 

@@ -1,7 +1,7 @@
 """Trains a small byte-level BPE tokenizer on environment text and writes a Hugging Face folder.
 
     python -m agentgym_jax.models.build_tokenizer --out=/tmp/tok [--vocab_size=1024]
-        [--template=chatml|llama3] [--text_file=transcripts.txt ...] [--env_url=http://127.0.0.1:8000 ...]
+        [--template=chatml|llama3|gemma] [--text_file=transcripts.txt ...] [--env_url=http://127.0.0.1:8000 ...]
 
 The CPU quickstart trains its tiny model with this tokenizer: a vocabulary of ~1k tokens learned
 from the action grammar, the environments' instructions and (when given) oracle transcripts keeps
@@ -153,6 +153,32 @@ LLAMA31_TEMPLATE = """{{- bos_token }}
 """
 
 
+# Gemma's turn markup (Gemma 2 and 3 instruction-tuned models): `<start_of_turn>user` / `model`
+# headers, `<end_of_turn>` after every turn, contents trimmed, no system role (a system message is
+# prepended to the first user turn, separated by a blank line), strict user/model alternation.
+GEMMA_TEMPLATE = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set first_user_prefix = '' %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+    {{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<start_of_turn>model\n' }}
+{%- endif %}
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class TemplateSpec:
     """The special tokens and chat template of one markup family."""
@@ -183,6 +209,13 @@ TEMPLATES: dict[str, TemplateSpec] = {
         pad_token="<|end_of_text|>",
         chat_template=LLAMA31_TEMPLATE,
         bos_token="<|begin_of_text|>",
+    ),
+    "gemma": TemplateSpec(
+        special_tokens=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+        eos_token="<end_of_turn>",
+        pad_token="<pad>",
+        chat_template=GEMMA_TEMPLATE,
+        bos_token="<bos>",
     ),
 }
 

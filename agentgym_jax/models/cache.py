@@ -103,12 +103,14 @@ def place_chunk_mask(cache_mask: jax.Array, mask: jax.Array, index: jax.Array) -
     return _scatter(cache_mask, _rows(batch), slice(None), slots, mask.swapaxes(1, 2))
 
 
-def attention_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-    """[batch, q, k] bool: causal by position; padded queries and keys (position -1) see nothing.
+def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: jax.Array | int | None = None) -> jax.Array:
+    """[batch, q, k] bool: causal by position; padded queries and keys (position -1) see nothing;
+    with a sliding `window` (a scalar, traced or not), a query at p sees only keys at p - window < k.
 
     Apply it with a large finite negative bias, not -inf: a padded query has no visible key and
     must give finite (ignored) values, or NaNs leak into gradients through masked sums.
     """
     q = query_positions[:, :, None]
     k = key_positions[:, None, :]
-    return (k >= 0) & (q >= 0) & (k <= q)
+    mask = (k >= 0) & (q >= 0) & (k <= q)
+    return mask if window is None else mask & (q - k < window)

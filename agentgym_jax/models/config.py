@@ -1,10 +1,12 @@
 """`ModelConfig`: the decoder's shape and options, read from (and written to) a Hugging Face config.json.
 
-Accepts both the transformers-4 form (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
-transformers-5 form (`rope_parameters`, `dtype`) of Llama, Qwen2 and Qwen3 configs. Anything the
-decoder does not implement (another architecture, yarn RoPE, a sliding window that is actually
-used, mixture of experts, biased MLPs) is refused with a `ValueError` that names it, rather than
-loaded into a model that silently computes something else.
+One flat, hashable description covers every family the decoder implements (`models/families/`:
+Llama and Mistral, Qwen2, Qwen3 and their mixture-of-experts siblings, Gemma 2 and 3). Each
+family reads its own config.json keys into these fields and writes them back; what this module
+parses is what they share: the shape, RoPE (`rope_theta` + `rope_scaling` in the transformers-4
+form, `rope_parameters` in the 5 form), dtype and special tokens. Anything the decoder does not
+implement is refused with a `ValueError` that names it, rather than loaded into a model that
+silently computes something else.
 """
 
 from __future__ import annotations
@@ -15,14 +17,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-# model_type -> the transformers class that a config.json of that family names.
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU (Llama, Qwen) or GeGLU (Gemma)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +39,7 @@ class RopeConfig:
 class ModelConfig:
     """Hashable (usable as a static jit argument) description of one decoder."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # a key of models.families.FAMILIES (the config.json `model_type`)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -55,31 +53,79 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 with attention_bias
     o_bias: bool = False  # Llama/Qwen3 with attention_bias
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
     dtype: str = "float32"  # storage dtype of the checkpoint (config.json `dtype`)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / 3 (docs/models.md has what each one is)
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    norm_plus_one: bool = False  # RMSNorm weights are stored as w and scale by (1 + w)
+    sandwich_norms: bool = False  # norms after attention and before and after the MLP too
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype
+    query_pre_attn_scalar: int | None = None  # scores scaled by its -0.5 power (None: head_dim's)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
+    final_softcap: float | None = None  # the same on the logits
+    # Sliding-window attention: layer i sees the keys at positions p - window < k <= p if
+    # layer_types[i] is "sliding_attention" (Mistral: every layer; Gemma: alternating with global)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # one of LAYER_TYPES per layer; (): every layer full attention
+    local_rope: RopeConfig | None = None  # RoPE of the sliding layers (Gemma 3); None: `rope`
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE): every layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` of them per token, plus one shared expert
+    # of `shared_expert_intermediate_size` (0: none) behind a sigmoid gate
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
-        if self.family not in ARCHITECTURES:
-            raise ValueError(f"unsupported model family {self.family!r}; supported: {sorted(ARCHITECTURES)}")
-        if self.rope.type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_type {self.rope.type!r}; supported: {ROPE_TYPES}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
+        from agentgym_jax.models.families import FAMILIES  # noqa: PLC0415 (the families import this module)
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"unsupported model family {self.family!r}; supported: {sorted(FAMILIES)}")
+        for name, value, valid in (("rope_type", self.rope.type, ROPE_TYPES), ("dtype", self.dtype, DTYPES),
+                                   ("hidden_act", self.hidden_act, ACTIVATIONS)):
+            if value not in valid:
+                raise ValueError(f"unsupported {name} {value!r}; supported: {valid}")
+        if self.local_rope is not None and self.local_rope.type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.local_rope.type!r}; supported: {ROPE_TYPES}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types {list(self.layer_types)} must name one of {LAYER_TYPES} for each of "
+                                 f"the {self.num_layers} layers")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window >= 1")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1 .. num_experts={self.num_experts}")
 
     @property
     def architecture(self) -> str:
-        return ARCHITECTURES[self.family]
+        from agentgym_jax.models.families import FAMILIES  # noqa: PLC0415
+
+        return FAMILIES[self.family].architecture
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window."""
+        return tuple(t == "sliding_attention" for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def small(cls, family: str = "qwen2", **overrides: Any) -> ModelConfig:
         """A tiny model of `family` (2 layers, hidden 64) for tests and CPU quickstarts."""
+        from agentgym_jax.models.families import FAMILIES  # noqa: PLC0415
+
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported model family {family!r}; supported: {sorted(FAMILIES)}")
         defaults = dict(
             family=family,
             vocab_size=256,
@@ -90,91 +136,22 @@ class ModelConfig:
             num_kv_heads=2,
             head_dim=16,
             max_position_embeddings=2048,
-            qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=family == "qwen3",
+            **FAMILIES[family].small(overrides.get("num_layers", 2)),
         )
         return cls(**{**defaults, **overrides})
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Parses a Hugging Face config.json dict (transformers 4 or 5 form)."""
-        family = hf.get("model_type")
-        if family not in ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model_type {family!r} (architectures={hf.get('architectures')}); "
-                f"supported: {sorted(ARCHITECTURES)}"
-            )
-        for arch in hf.get("architectures") or []:
-            if arch != ARCHITECTURES[family]:
-                raise ValueError(f"unsupported architecture {arch!r}; expected {ARCHITECTURES[family]!r}")
-        _refuse_unsupported(hf)
-        heads = hf["num_attention_heads"]
-        attention_bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
-        return cls(
-            family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=_parse_rope(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family != "qwen2" and attention_bias,
-            qk_norm=family == "qwen3",
-            dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-        )
+        from agentgym_jax.models.families import read_config  # noqa: PLC0415
+
+        return read_config(hf)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The transformers-5 config.json dict (with the 4-form rope keys too, for older readers)."""
-        if self.family == "qwen2" and (not self.qkv_bias or self.o_bias):
-            raise ValueError("a qwen2 config.json always means q/k/v biases and no o_proj bias")
-        if self.family != "qwen2" and self.qkv_bias != self.o_bias:
-            raise ValueError(f"{self.family} has one attention_bias flag for q, k, v and o together")
-        if self.qk_norm != (self.family == "qwen3"):
-            raise ValueError("q/k RMSNorm exists exactly in the qwen3 family")
-        rope = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
-        if self.rope.type in ("linear", "llama3"):
-            rope["factor"] = self.rope.factor
-        if self.rope.type == "llama3":
-            rope.update(
-                low_freq_factor=self.rope.low_freq_factor,
-                high_freq_factor=self.rope.high_freq_factor,
-                original_max_position_embeddings=self.rope.original_max_position_embeddings,
-            )
-        eos = list(self.eos_token_ids)
-        hf = {
-            "architectures": [self.architecture],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_parameters": rope,
-            "rope_theta": self.rope.theta,
-            "rope_scaling": None if self.rope.type == "default" else rope,
-            "dtype": self.dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        }
-        if self.family != "qwen2":
-            hf["attention_bias"] = self.o_bias
-        return hf
+        from agentgym_jax.models.families import write_config  # noqa: PLC0415
+
+        return write_config(self)
 
 
 def load_config(folder: str | os.PathLike) -> ModelConfig:
@@ -186,19 +163,59 @@ def load_config(folder: str | os.PathLike) -> ModelConfig:
         return ModelConfig.from_hf_dict(json.load(f))
 
 
-def _parse_rope(hf: Mapping[str, Any]) -> RopeConfig:
-    """Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4)."""
-    params = hf.get("rope_parameters")
-    if params and "rope_type" not in params and "full_attention" in params:
-        params = params["full_attention"]  # per-layer-type form; only full attention is supported
-    params = dict(params or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+def shared_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields every family's config.json spells the same way."""
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    return dict(
+        family=hf["model_type"],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+    )
+
+
+def shared_keys(config: ModelConfig) -> dict[str, Any]:
+    """The config.json keys every family writes the same way (the inverse of `shared_fields`)."""
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": [config.architecture],
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "dtype": config.dtype,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    }
+
+
+def parse_rope(params: Mapping[str, Any] | None, default_theta: float = 10000.0) -> RopeConfig:
+    """A `RopeConfig` from one rope dict (`rope_parameters`, or `rope_scaling` plus `rope_theta`)."""
+    params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
     defaults = RopeConfig()
     return RopeConfig(
-        theta=float(theta),
+        theta=float(params.get("rope_theta", default_theta)),
         type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
@@ -209,22 +226,24 @@ def _parse_rope(hf: Mapping[str, Any]) -> RopeConfig:
     )
 
 
-def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
-    """Raises a `ValueError` naming the first option the decoder does not implement."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
-    if hf.get("mlp_bias"):
-        raise ValueError("unsupported option mlp_bias=True")
-    if hf.get("num_experts") or hf.get("num_local_experts"):
-        raise ValueError("unsupported option: mixture of experts (num_experts)")
-    layer_types = hf.get("layer_types") or []
-    sliding = [t for t in layer_types if t != "full_attention"]
-    if sliding:
-        raise ValueError(f"unsupported layer_types {sorted(set(sliding))}: only full attention is implemented")
-    if (
-        not layer_types
-        and hf.get("use_sliding_window")
-        and hf.get("sliding_window")
-        and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
-    ):
-        raise ValueError("unsupported option: sliding window attention (use_sliding_window=True)")
+def rope_of(hf: Mapping[str, Any], layer_type: str = "full_attention", default_theta: float = 10000.0) -> RopeConfig:
+    """The RoPE of `layer_type` layers: `rope_parameters` (transformers 5; per layer type where a
+    family has one per type) or `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = hf.get("rope_parameters")
+    if params and "rope_type" not in params and layer_type in params:
+        params = params[layer_type]
+    return parse_rope(params or hf.get("rope_scaling"), hf.get("rope_theta", default_theta))
+
+
+def rope_dict(rope: RopeConfig) -> dict[str, Any]:
+    """The transformers-5 `rope_parameters` dict of `rope`."""
+    out: dict[str, Any] = {"rope_type": rope.type, "rope_theta": rope.theta}
+    if rope.type in ("linear", "llama3"):
+        out["factor"] = rope.factor
+    if rope.type == "llama3":
+        out.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    return out

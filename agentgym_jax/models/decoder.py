@@ -1,17 +1,23 @@
-"""The decoder-only transformer of the Llama / Qwen2 / Qwen3 families, as pure functions over a pytree.
+"""The decoder-only transformer of every family in `models/families/`, as pure functions over a pytree.
 
-Pre-norm blocks (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU MLP →
-residual), stacked with `nn.scan` so compile time does not grow with depth. Attention is causal by
-*position*, not by slot (see `cache.attention_mask`): the same code serves training (no cache,
-right-padded rows) and multi-turn sampling (new chunks appended to a `KVCache`).
+Pre-norm blocks (RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → gated MLP or a
+mixture of experts (`models.moe`) → residual), stacked with `nn.scan` so compile time does not
+grow with depth. Attention is causal by *position*, not by slot (see `cache.attention_mask`): the
+same code serves training (no cache, right-padded rows) and multi-turn sampling (new chunks
+appended to a `KVCache`). What the families change is a `ModelConfig` field read by the module
+it concerns: the norm (`RMSNorm`, Gemma's `(1 + w)`, `sandwich_norms`), the MLP's activation
+(`ACTIVATIONS`), the scores' scale and soft cap (`ScoreSpec`), the sliding window (a mask term,
+a per-layer flag under the scan), a second RoPE table for sliding layers, the experts.
 
 Parameter pytree (layer parameters carry a leading `[layers]` axis):
   embed/embedding [vocab, hidden]            lm_head [hidden, vocab] (absent when tied)
   layers/attn_norm/scale [L, hidden]          layers/mlp_norm/scale [L, hidden]
+  layers/{post_attn,post_mlp}_norm/scale [L, hidden] (Gemma)
   layers/attn/{q,k,v}_proj/kernel [L, hidden, heads, head_dim] (+ bias [L, heads, head_dim])
   layers/attn/o_proj/kernel [L, heads, head_dim, hidden] (+ bias [L, hidden])
-  layers/attn/{q,k}_norm/scale [L, head_dim] (Qwen3)
+  layers/attn/{q,k}_norm/scale [L, head_dim] (Qwen3, Gemma 3)
   layers/mlp/{gate,up}_proj/kernel [L, hidden, mlp]   layers/mlp/down_proj/kernel [L, mlp, hidden]
+  layers/moe/... (instead of mlp: `models.moe`)  layers/shared_expert/..., shared_expert_gate (Qwen2-MoE)
   final_norm/scale [hidden]                  value_head/{kernel [hidden], bias []} (optional)
 Dtype policy: parameters are stored in `param_dtype` (float32 or bfloat16); matmuls run in the
 compute `dtype`; norms, softmax and logits are computed in float32.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -35,10 +41,12 @@ import numpy as np
 from agentgym_jax.models.cache import KVCache, attention_mask, write_positions, write_rows
 from agentgym_jax.models.config import ModelConfig, RopeConfig
 from agentgym_jax.models.kernels import ATTENTION_BLOCK, AttentionKernels, ragged_decode_attention, splash_attention
+from agentgym_jax.models.moe import EXPERT_PROJECTIONS, MoE, Routing
 
 Params = dict[str, Any]
 _INIT = nn.initializers.normal(0.02)  # Hugging Face's initializer_range
 _MASKED = float(np.finfo(np.float32).min)  # finite: a query with no visible key stays finite
+_NO_WINDOW = int(np.iinfo(np.int32).max)  # the window of a global layer among sliding ones
 # What a layer keeps for its backward pass: everything ("none": no remat), only its input, the
 # residual stream ("full"), or also the outputs of its projections, i.e. dots without batch
 # dimensions but not attention's batched score dots ("dots").
@@ -107,8 +115,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma 2's attention scores and logits); x itself where cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def grouped_attention(
-    q: jax.Array, segments: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
+    q: jax.Array, segments: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Softmax attention where each group of query heads shares one key/value head.
 
@@ -116,15 +130,17 @@ def grouped_attention(
     mask [batch, seq, keys_i]) blocks of keys that one softmax spans, e.g. the cached keys and
     the chunk's own new ones: attending to each block where it lies is what spares a decode step
     from copying the cache to append its key first. Keys are head-major (the cache's layout), so
-    the batched dots read them in place. Returns [batch, seq, heads, head_dim].
+    the batched dots read them in place. Scores are scaled by `scale` (default head_dim ** -0.5)
+    and soft-capped by `softcap`. Returns [batch, seq, heads, head_dim].
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = segments[0][0].shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
     scores = [
         jnp.where(
             mask[:, None, None],
-            jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5,
+            soft_cap(jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale, softcap),
             _MASKED,
         )
         for k, _, mask in segments
@@ -138,39 +154,34 @@ def grouped_attention(
     return out.reshape(batch, seq, heads, head_dim)
 
 
-def _block_mask(q_pos, k_pos, tree):
-    """[batch, 1, 1, q_block, k_block] bool: which keys of a tile each query sees.
+class ScoreSpec(NamedTuple):
+    """How a layer turns q . k into scores (static): the scale, the soft cap (None: none)."""
 
-    Positions [batch, q_block] and [batch, k_block] give `cache.attention_mask`; `tree` (rows
-    packed as prefix trees, see `flash_attention`) is (query indices [q_block], key indices
+    scale: float
+    softcap: float | None = None
+
+
+def _block_scores(q, k, q_pos, k_pos, window, spec: ScoreSpec, tree=None):
+    """Scaled, capped, masked scores [batch, kv, group, q_block, k_block] float32 of one tile, and its mask.
+
+    q [batch, q_block, kv, group, head_dim], k [batch, kv, k_block, head_dim], positions
+    [batch, q_block] and [batch, k_block]: the mask is `cache.attention_mask` of the tile; `tree`
+    (rows packed as prefix trees, see `flash_attention`) is (query indices [q_block], key indices
     [k_block], key ends [batch, k_block]) and keeps key j for query i only where j <= i < end[j].
     """
-    mask = attention_mask(q_pos, k_pos)
+    mask = attention_mask(q_pos, k_pos, window)
     if tree is not None:
         q_idx, k_idx, k_end = tree
         mask &= (k_idx[None, None, :] <= q_idx[None, :, None]) & (q_idx[None, :, None] < k_end[:, None, :])
-    return mask[:, None, None]
-
-
-def _block_scores(q, k, mask):
-    """Scaled, masked scores [batch, kv, group, q_block, k_block] float32 of one tile.
-
-    q [batch, q_block, kv, group, head_dim], k [batch, kv, k_block, head_dim], mask as `_block_mask`.
-    """
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    return jnp.where(mask, scores, _MASKED)
-
-
-def _when_visible(mask, fn, carry):
-    """`fn(carry)` where the tile has a visible (query, key) pair, else `carry`: a tile wholly
-    above the diagonal, or between two branches of a prefix tree, costs no matmul."""
-    return jax.lax.cond(jnp.any(mask), fn, lambda c: c, carry)
+    mask = mask[:, None, None]  # [batch, 1, 1, q_block, k_block]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * spec.scale
+    return jnp.where(mask, soft_cap(scores, spec.softcap), _MASKED), mask
 
 
 def _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
     """Queries [nq, batch, block_q, kv, group, head_dim] and keys, values [nk, batch, kv, block_k,
     head_dim] cut into blocks, with their positions [nq, batch, block_q] and [nk, batch, block_k]
-    and what `_block_mask` reads of a tree: indices [nq, block_q] and [nk, block_k], key ends
+    and what `_block_scores` reads of a tree: indices [nq, block_q] and [nk, block_k], key ends
     [nk, batch, block_k] (None without a tree)."""
     batch, seq, kv, group, dim = q.shape
     keys = k.shape[2]
@@ -186,7 +197,7 @@ def _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
 
 
 def _tree(q_tree, k_tree):
-    """`_block_mask`'s tree argument of one tile (None without a tree)."""
+    """`_block_scores`'s tree argument of one tile (None without a tree)."""
     return None if q_tree is None else (q_tree, *k_tree)
 
 
@@ -195,7 +206,7 @@ def _untile_queries(x):
     return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
-def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
+def _flash_forward(q, k, v, q_pos, k_pos, k_end, window, block_q, block_k, spec):
     """out [batch, seq, kv, group, head_dim] (q's dtype) and logsumexp [batch, kv, group, seq] float32."""
     qb, kb, vb, qpb, kpb, qtb, ktb = _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
 
@@ -203,22 +214,17 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
         qi, qpi, qti = inputs  # [batch, block_q, kv, group, head_dim], [batch, block_q], tree indices
 
         def key_block(carry, kv_block):
+            running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
             kj, vj, kpj, ktj = kv_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def attend(carry):
-                running_max, total, acc = carry  # [batch, kv, group, block_q] (x2), [..., head_dim]
-                scores = _block_scores(qi, kj, mask)
-                new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
-                probs = jnp.exp(scores - new_max[..., None])
-                rescale = jnp.exp(running_max - new_max)
-                total = total * rescale + jnp.sum(probs, axis=-1)
-                acc = acc * rescale[..., None] + jnp.einsum(
-                    "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
-                )
-                return new_max, total, acc
-
-            return _when_visible(mask, attend, carry), None
+            scores, _ = _block_scores(qi, kj, qpi, kpj, window, spec, _tree(qti, ktj))
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            probs = jnp.exp(scores - new_max[..., None])
+            rescale = jnp.exp(running_max - new_max)
+            total = total * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum(
+                "bkgts,bksd->bkgtd", probs.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return (new_max, total, acc), None
 
         stats_shape = (qi.shape[0], qi.shape[2], qi.shape[3], qi.shape[1])
         init = (
@@ -227,7 +233,6 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
             jnp.zeros((*stats_shape, qi.shape[-1]), jnp.float32),
         )
         (running_max, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpb, ktb))
-        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # a query that sees no key: 0, not 0 / 0
         out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [batch, block_q, kv, group, d]
         return out, running_max + jnp.log(total)
 
@@ -236,48 +241,46 @@ def _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
     return _untile_queries(out), lse.reshape(*lse.shape[:3], -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
-    return _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, q_pos, k_pos, k_end, window, block_q, block_k, spec):
+    return _flash_forward(q, k, v, q_pos, k_pos, k_end, window, block_q, block_k, spec)[0]
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, k_end, block_q, block_k):
-    out, lse = _flash_forward(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
-    return out, (q, k, v, q_pos, k_pos, k_end, out, lse)
+def _flash_fwd(q, k, v, q_pos, k_pos, k_end, window, block_q, block_k, spec):
+    out, lse = _flash_forward(q, k, v, q_pos, k_pos, k_end, window, block_q, block_k, spec)
+    return out, (q, k, v, q_pos, k_pos, k_end, window, out, lse)
 
 
-def _flash_bwd(block_q, block_k, residuals, d_out):
+def _flash_bwd(block_q, block_k, spec, residuals, d_out):
     """FlashAttention-2's backward: each tile's probabilities recomputed from the saved logsumexp,
-    one pass over query blocks for dq and one over key blocks for dk, dv (tiles without a visible
-    pair skipped, as in the forward)."""
-    q, k, v, q_pos, k_pos, k_end, out, lse = residuals
+    one pass over query blocks for dq and one over key blocks for dk, dv."""
+    q, k, v, q_pos, k_pos, k_end, window, out, lse = residuals
     # [batch, kv, group, seq]: rowsum(d_out * out), the softmax's Jacobian term
     delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     qb, kb, vb, qpb, kpb, qtb, ktb = _tiles(q, k, v, q_pos, k_pos, k_end, block_q, block_k)
     dob = _tiles(d_out, k, v, q_pos, k_pos, None, block_q, block_k)[0]
     nq = qb.shape[0]
     lse_b, delta_b = (x.reshape(*x.shape[:3], nq, block_q).transpose(3, 0, 1, 2, 4) for x in (lse, delta))
-    scale = q.shape[-1] ** -0.5
+    scale = spec.scale
 
-    def tile(qi, doi, lse_i, delta_i, kj, vj, mask):
-        """probs and d(scores) [batch, kv, group, block_q, block_k] float32 of one tile."""
-        probs = jnp.exp(_block_scores(qi, kj, mask) - lse_i[..., None])
+    def tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj, tree):
+        """probs and d(scaled scores) [batch, kv, group, block_q, block_k] float32 of one tile."""
+        scores, mask = _block_scores(qi, kj, qpi, kpj, window, spec, tree)
+        probs = jnp.exp(scores - lse_i[..., None])
         d_probs = jnp.einsum("btkgd,bksd->bkgts", doi, vj, preferred_element_type=jnp.float32)
-        return probs, jnp.where(mask, probs * (d_probs - delta_i[..., None]), 0.0)
+        d_scores = probs * (d_probs - delta_i[..., None])
+        if spec.softcap is not None:  # through cap * tanh(s / cap): times 1 - tanh^2
+            d_scores = d_scores * (1.0 - jnp.square(scores / spec.softcap))
+        return probs, jnp.where(mask, d_scores, 0.0)
 
     def dq_block(inputs):
         qi, doi, lse_i, delta_i, qpi, qti = inputs
 
         def step(dq, kv_block):  # dq [batch, kv, group, block_q, head_dim], like the forward's acc
             kj, vj, kpj, ktj = kv_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def accumulate(dq):
-                _, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
-                return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
-                                       preferred_element_type=jnp.float32)
-
-            return _when_visible(mask, accumulate, dq), None
+            _, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj, _tree(qti, ktj))
+            return dq + jnp.einsum("bkgts,bksd->bkgtd", d_scores.astype(kj.dtype), kj,
+                                   preferred_element_type=jnp.float32), None
 
         batch, block, kv, group, dim = qi.shape
         dq, _ = jax.lax.scan(step, jnp.zeros((batch, kv, group, block, dim), jnp.float32), (kb, vb, kpb, ktb))
@@ -287,17 +290,12 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
         kj, vj, kpj, ktj = inputs
 
         def step(carry, q_block):
+            dk, dv = carry
             qi, doi, lse_i, delta_i, qpi, qti = q_block
-            mask = _block_mask(qpi, kpj, _tree(qti, ktj))
-
-            def accumulate(carry):
-                dk, dv = carry
-                probs, d_scores = tile(qi, doi, lse_i, delta_i, kj, vj, mask)
-                dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
-                dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
-                return dk, dv
-
-            return _when_visible(mask, accumulate, carry), None
+            probs, d_scores = tile(qi, doi, lse_i, delta_i, qpi, kj, vj, kpj, _tree(qti, ktj))
+            dk = dk + jnp.einsum("bkgts,btkgd->bksd", d_scores.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum("bkgts,btkgd->bksd", probs.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            return (dk, dv), None
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), (qb, dob, lse_b, delta_b, qpb, qtb))
@@ -306,7 +304,7 @@ def _flash_bwd(block_q, block_k, residuals, d_out):
     dq = _untile_queries(jax.lax.map(dq_block, (qb, dob, lse_b, delta_b, qpb, qtb)))
     dk, dv = jax.lax.map(dkv_block, (kb, vb, kpb, ktb))  # [nk, batch, kv, block_k, head_dim]
     untile_keys = lambda x: x.transpose(1, 2, 0, 3, 4).reshape(k.shape)  # noqa: E731
-    return dq, untile_keys(dk), untile_keys(dv), None, None, None
+    return dq, untile_keys(dk), untile_keys(dv), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -322,21 +320,27 @@ def flash_attention(
     k_ends: jax.Array | None = None,
     block_q: int = ATTENTION_BLOCK,
     block_k: int = ATTENTION_BLOCK,
+    window: jax.Array | int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention by tiles, causal by position, in O(seq x block) memory.
 
     q [batch, seq, heads, head_dim]; k, v [batch, kv_heads, keys, head_dim] (head-major, the
     cache's layout); positions [batch, seq] and [batch, keys] int (-1: padding, never attended).
     The same attention as `grouped_attention` with `cache.attention_mask(q_positions,
-    k_positions)`: an online softmax over key blocks (FlashAttention), and a custom backward that
-    recomputes each tile from the saved logsumexp, so neither pass holds the [heads, seq, keys]
-    scores. Tiles where no query sees a key are skipped, forward and backward. Plain XLA, so it
-    runs on every backend. Returns [batch, seq, heads, head_dim].
+    k_positions, window)`: an online softmax over key blocks (FlashAttention), and a custom
+    backward that recomputes each tile from the saved logsumexp, so neither pass holds the
+    [heads, seq, keys] scores. Plain XLA, so it runs on every backend; a sliding `window` is a
+    term of the mask (the tiles outside the band are computed and masked, see docs/models.md).
+    Scores are scaled by `scale` (default head_dim ** -0.5) and soft-capped by `softcap`.
+    Every tile is computed, masked: a `lax.cond` skip of the tiles no query sees raised the 7B
+    update's temporaries 24.5 -> 41.4 GiB (docs/experiments.md). Returns [batch, seq, heads, head_dim].
 
     `k_ends` [batch, keys] (self-attention of rows packed as prefix trees, `rollout/packing.py`):
     key j is seen by query i of its row only where j <= i < k_ends[b, j], i.e. by the rest of
     its own run and by the subtrees that branch off after it, never by a sibling branch or
-    another tree of the row; positions still restart in each tree and give RoPE its depths.
+    another tree of the row; positions restart in each tree and give RoPE (and a window) depths.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -345,33 +349,42 @@ def flash_attention(
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)  # head h uses kv head h // group
     q_positions, k_positions = q_positions.astype(jnp.int32), k_positions.astype(jnp.int32)
     if k_ends is not None:
-        if keys != seq:
-            raise ValueError(f"k_ends is for a row's self-attention: {seq} queries, {keys} keys")
-        k_ends = k_ends.astype(jnp.int32)
+        if keys != seq or block_q != block_k:
+            raise ValueError(f"k_ends is for a row's self-attention in one tiling: {seq} queries, {keys} keys")
+        k_ends = jnp.pad(k_ends.astype(jnp.int32), ((0, 0), (0, keys_pad - keys)))
     if seq_pad > seq:
         q = jnp.pad(q, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0), (0, 0)))
         q_positions = jnp.pad(q_positions, ((0, 0), (0, seq_pad - seq)), constant_values=-1)
     if keys_pad > keys:
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, keys_pad - keys), (0, 0))) for x in (k, v))
         k_positions = jnp.pad(k_positions, ((0, 0), (0, keys_pad - keys)), constant_values=-1)
-    if k_ends is not None and keys_pad > keys:
-        k_ends = jnp.pad(k_ends, ((0, 0), (0, keys_pad - keys)))
-    if k_ends is not None and seq_pad != keys_pad:  # one tiling for both, so query and key indices agree
-        raise ValueError(f"k_ends needs one tiling of queries and keys, got blocks {block_q} and {block_k}")
-    out = _flash(q, k, v, q_positions, k_positions, k_ends, block_q, block_k)
+    spec = ScoreSpec(head_dim**-0.5 if scale is None else scale, softcap)
+    out = _flash(q, k, v, q_positions, k_positions, k_ends, window, block_q, block_k, spec)
     return out[:, :seq].reshape(batch, seq, heads, head_dim)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm in float32. Llama's scales the normed input, cast to x's dtype, by `scale`; Gemma's
+    (`plus_one`) stores `scale` as w, multiplies in float32 by (1 + w) and then casts."""
+
     eps: float
     param_dtype: jnp.dtype = jnp.float32
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def norm(config: ModelConfig, param_dtype: jnp.dtype, name: str) -> RMSNorm:
+    """The family's RMSNorm (`ModelConfig.norm_plus_one`), named `name`."""
+    return RMSNorm(config.rms_norm_eps, param_dtype, config.norm_plus_one, name=name)
 
 
 class LoRA(nn.Module):
@@ -404,7 +417,8 @@ class Attention(nn.Module):
     returned for the caller to write. `layer=i` (layers as a Python loop): `layer_cache` is the
     whole stacked (k, v) [layers, batch, kv_heads, slots, head_dim]; the chunk is written into
     layer i in place and the updated stack is returned. A one-token chunk (a decode step) attends
-    with `grouped_attention`; longer chunks with `flash_attention`.
+    with `grouped_attention`; longer chunks with `flash_attention`. `sliding` (a bool, traced
+    under the scan) says whether this layer attends through `config.sliding_window`.
     """
 
     config: ModelConfig
@@ -417,10 +431,11 @@ class Attention(nn.Module):
     lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index, ends=None):
-        """x [batch, seq, hidden] at `positions` [batch, seq]; `cache_positions` [batch, slots]
-        are the cached slots' positions before this chunk is written (-1: empty); `ends`
-        [batch, seq]: rows packed as prefix trees (no cache; see `flash_attention`)."""
+    def __call__(self, x, layer_cache, rope, sliding, positions, cache_positions, index, ends=None):
+        """x [batch, seq, hidden] at `positions` [batch, seq], rotated by `rope` = (cos, sin);
+        `cache_positions` [batch, slots] are the cached slots' positions before this chunk is
+        written (-1: empty); `ends` [batch, seq]: rows packed as prefix trees (no cache; see
+        `flash_attention`)."""
         c = self.config
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         lora = functools.partial(_adapted, targets=self.lora_targets, scale=self.lora_scale, dtype=self.dtype)
@@ -428,16 +443,22 @@ class Attention(nn.Module):
         k = lora(nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k_proj", **dense)(x), x, "k")
         v = lora(nn.DenseGeneral((c.num_kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v_proj", **dense)(x), x, "v")
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.param_dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.param_dtype, name="k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = norm(c, self.param_dtype, "q_norm")(q)
+            k = norm(c, self.param_dtype, "k_norm")(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)  # head-major, like the cache
-        blocks = dict(block_q=self.kernels.block, block_k=self.kernels.block)
+        scores = dict(scale=score_scale(c), softcap=c.attn_softcap)
+        # The layer's window as a mask term: `sliding_window` on sliding layers, none on global ones.
+        window = None if c.sliding_window is None else jnp.where(sliding, c.sliding_window, _NO_WINDOW)
+        blocks = dict(block_q=self.kernels.block, block_k=self.kernels.block, window=window, **scores)
         sharded = self.activation_sharding
         pallas = dict(interpret=self.kernels.interpret, mesh=sharded and sharded.mesh,
                       batch_axes=sharded and sharded.spec[0])
         if layer_cache is None and self.kernels.training == "splash" and ends is None:
-            out, new_kv = splash_attention(q, k, v, positions, block=self.kernels.block, **pallas), None
+            splash = functools.partial(splash_attention, q, k, v, positions, block=self.kernels.block, **scores, **pallas)
+            out = splash() if window is None else jax.lax.cond(
+                sliding, lambda: splash(window=c.sliding_window), lambda: splash())
+            new_kv = None
         elif layer_cache is None:  # prefix trees on every backend (splash's masks cannot say a tree)
             out = flash_attention(q, k, v, positions, positions, k_ends=ends, **blocks)
             new_kv = None
@@ -445,10 +466,10 @@ class Attention(nn.Module):
             # decode under the scan: the cached keys (read only) and the new one, written after
             cache_k, cache_v = layer_cache
             segments = (
-                (cache_k.astype(self.dtype), cache_v.astype(self.dtype), attention_mask(positions, cache_positions)),
-                (k, v, attention_mask(positions, positions)),
+                (cache_k.astype(self.dtype), cache_v.astype(self.dtype), attention_mask(positions, cache_positions, window)),
+                (k, v, attention_mask(positions, positions, window)),
             )
-            out, new_kv = grouped_attention(q, segments), (k, v)
+            out, new_kv = grouped_attention(q, segments, **scores), (k, v)
         else:
             # write the chunk first (each row's slots >= its index are empty and masked), then
             # attend over the layer's slots: max_len keys, not max_len + seq (twice for a prefill).
@@ -458,10 +479,12 @@ class Attention(nn.Module):
             cache_k, cache_v = written if self.layer is None else (buf[self.layer] for buf in written)
             cache_k, cache_v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
             key_positions = write_positions(cache_positions, positions.astype(jnp.int32), index)
-            if x.shape[1] == 1 and self.kernels.decode == "triton":  # the row's slots 0 .. index
-                out = ragged_decode_attention(q, cache_k, cache_v, index + 1, **pallas)
+            if x.shape[1] == 1 and self.kernels.decode == "triton" and c.attn_softcap is None:
+                # the row's slots 0 .. index (a sliding layer's last `window` of them: slot = position in a row)
+                starts = None if window is None else jnp.maximum(index + 1 - window, 0)
+                out = ragged_decode_attention(q, cache_k, cache_v, index + 1, starts, scale=scores["scale"], **pallas)
             elif x.shape[1] == 1:
-                out = grouped_attention(q, ((cache_k, cache_v, attention_mask(positions, key_positions)),))
+                out = grouped_attention(q, ((cache_k, cache_v, attention_mask(positions, key_positions, window)),), **scores)
             else:
                 out = flash_attention(q, cache_k, cache_v, positions, key_positions, **blocks)
             new_kv = (k, v) if self.layer is None else written
@@ -469,25 +492,44 @@ class Attention(nn.Module):
         return out, new_kv
 
 
+def score_scale(config: ModelConfig) -> float:
+    """What q . k is multiplied by: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+    return (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+
+
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), SwiGLU or GeGLU (`ModelConfig.hidden_act`), of
+    `intermediate_size` (default the config's; a shared expert has its own)."""
+
     config: ModelConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     lora_targets: tuple[str, ...] = ()  # adapted projections ("gate", "up", "down"), see `LoRA`
     lora_scale: float = 0.0
+    intermediate_size: int | None = None
 
     @nn.compact
     def __call__(self, x):
         dense = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=_INIT)
         lora = functools.partial(_adapted, targets=self.lora_targets, scale=self.lora_scale, dtype=self.dtype)
-        gate = lora(nn.Dense(self.config.intermediate_size, name="gate_proj", **dense)(x), x, "gate")
-        up = lora(nn.Dense(self.config.intermediate_size, name="up_proj", **dense)(x), x, "up")
-        hidden = nn.silu(gate) * up
+        size = self.intermediate_size or self.config.intermediate_size
+        gate = lora(nn.Dense(size, name="gate_proj", **dense)(x), x, "gate")
+        up = lora(nn.Dense(size, name="up_proj", **dense)(x), x, "up")
+        hidden = ACTIVATIONS[self.config.hidden_act](gate) * up
         return lora(nn.Dense(self.config.hidden_size, name="down_proj", **dense)(hidden), hidden, "down")
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer; the scan carry is the residual stream [batch, seq, hidden]."""
+    """One pre-norm decoder layer; the scan carry is the residual stream [batch, seq, hidden].
+
+    Attention, then the MLP (a mixture of experts where `config.num_experts`), each behind its
+    own norm; with `sandwich_norms` (Gemma) each output is normed again before the residual add.
+    `ropes` are the (cos, sin) tables of full-attention layers and, where the sliding layers have
+    their own RoPE (Gemma 3), theirs second. Returns (x, (new_kv, `moe.Routing` or None)).
+    """
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -499,33 +541,47 @@ class Block(nn.Module):
     lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions, cache_positions, index, ends=None):
+    def __call__(self, x, layer_cache, sliding, ropes, positions, cache_positions, index, ends=None):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         lora = dict(lora_scale=self.lora_scale)
+        targets = lambda names: tuple(t for t in self.lora_targets if t in names)  # noqa: E731
+        rope = ropes[0] if len(ropes) == 1 else jax.tree.map(lambda g, s: jnp.where(sliding, s, g), *ropes)
         h, new_kv = Attention(c, layer=self.layer, kernels=self.kernels, activation_sharding=self.activation_sharding,
-                              lora_targets=tuple(t for t in self.lora_targets if t in ("q", "k", "v", "o")), name="attn", **lora, **kw)(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="attn_norm")(x), layer_cache, cos, sin, positions,
-            cache_positions, index, ends,
+                              lora_targets=targets(("q", "k", "v", "o")), name="attn", **lora, **kw)(
+            norm(c, self.param_dtype, "attn_norm")(x), layer_cache, rope, sliding, positions, cache_positions, index, ends,
         )
+        if c.sandwich_norms:
+            h = norm(c, self.param_dtype, "post_attn_norm")(h)
         x = x + h
-        mlp_targets = tuple(t for t in self.lora_targets if t in ("gate", "up", "down"))
-        x = x + MLP(c, lora_targets=mlp_targets, name="mlp", **lora, **kw)(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="mlp_norm")(x))
+        h, routing = norm(c, self.param_dtype, "mlp_norm")(x), None
+        if c.moe:
+            adapted = tuple(p for p in EXPERT_PROJECTIONS if f"expert_{p}" in self.lora_targets)
+            out, routing = MoE(c, dispatch=self.kernels.moe_dispatch, lora_targets=adapted, name="moe", **lora, **kw)(
+                h, positions)
+            if c.shared_expert_intermediate_size:  # Qwen2-MoE: every token through one more expert, gated
+                gate = nn.Dense(1, use_bias=False, name="shared_expert_gate", kernel_init=_INIT, **kw)(h)
+                out = out + jax.nn.sigmoid(gate) * MLP(c, intermediate_size=c.shared_expert_intermediate_size,
+                                                       name="shared_expert", **kw)(h)
+            h = out
+        else:
+            h = MLP(c, lora_targets=targets(("gate", "up", "down")), name="mlp", **lora, **kw)(h)
+        if c.sandwich_norms:
+            h = norm(c, self.param_dtype, "post_mlp_norm")(h)
+        x = x + h
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-        return x, new_kv
+        return x, (new_kv, routing)
 
 
 class Decoder(nn.Module):
     """tokens, positions [batch, seq] (+ optional cache) -> logits [batch, seq, vocab] float32.
 
-    Without a cache, `ends` [batch, seq] runs rows packed as prefix trees (`rollout/packing.py`):
-    each token attends to its own path from the tree's root (`flash_attention`'s `k_ends`).
-
     `scan_layers=False` runs the layers as a Python loop over per-layer parameters `layers_<i>`
     (see `unstack_layers`) instead of `nn.scan` over the stacked `layers`. `project=False` stops
     at the final hidden states (logits None): the training losses project them to the vocabulary
-    a chunk of positions at a time (`output_head`).
+    a chunk of positions at a time (`output_head`). Without a cache, `ends` [batch, seq] runs rows
+    packed as prefix trees (`rollout/packing.py`): each token attends to its own path from the
+    tree's root (`flash_attention`'s `k_ends`).
     """
 
     config: ModelConfig
@@ -554,10 +610,13 @@ class Decoder(nn.Module):
             embedding_init=_INIT, name="embed",
         )
         x = embed(tokens)  # [batch, seq, hidden]
+        if c.scale_embeddings:  # Gemma: the normalizer rounded to the compute dtype, as transformers does
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         if self.activation_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.activation_sharding)
-        cos, sin = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
+        ropes = tuple(rope_tables(positions, rope_inv_freq(rope, c.head_dim)) for rope in layer_ropes(c))
         positions = positions.astype(jnp.int32)
+        sliding = np.asarray(c.sliding_layers)  # [layers] bool: a per-layer input of the scan
         layer_cache = cache_positions = index = None
         if cache is not None:  # the cached keys; row b's slots >= index[b] are empty (position -1)
             layer_cache, cache_positions, index = (cache.k, cache.v), cache.positions, cache.index
@@ -575,22 +634,30 @@ class Decoder(nn.Module):
                     block,
                     variable_axes={"params": 0},
                     split_rngs={"params": True},
-                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                    in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                     length=length,
                 )(*block_args, **block_kw, **kw, name=name)
 
+            routings = []
             if self.frozen_layers:  # no gradient below: the backward pass stops at their output
-                x, _ = scan(self.frozen_layers, "frozen_layers")(x, None, cos, sin, positions, None, None, ends)
+                x, (_, routing) = scan(self.frozen_layers, "frozen_layers")(
+                    x, None, sliding[: self.frozen_layers], ropes, positions, None, None, ends)
                 x = jax.lax.stop_gradient(x)
+                routings.append(routing)
             layers = scan(c.num_layers - self.frozen_layers, "layers", lora_targets=self.lora_targets,
                           lora_scale=self.lora_scale)
-            x, new_kv = layers(x, layer_cache, cos, sin, positions, cache_positions, index, ends)
+            x, (new_kv, routing) = layers(x, layer_cache, sliding[self.frozen_layers :], ropes, positions,
+                                          cache_positions, index, ends)
+            routing = _concat_layers([*routings, routing])
         else:  # each layer writes its keys into the stacked cache in place, then attends
+            routings = []
             for i in range(c.num_layers):
-                x, layer_cache = block(*block_args, layer=i, **block_kw, name=f"layers_{i}")(
-                    x, layer_cache, cos, sin, positions, cache_positions, index, ends
+                x, (layer_cache, routing) = block(*block_args, layer=i, **block_kw, name=f"layers_{i}")(
+                    x, layer_cache, sliding[i], ropes, positions, cache_positions, index, ends
                 )
-        hidden = RMSNorm(c.rms_norm_eps, self.param_dtype, name="final_norm")(x)
+                routings.append(None if routing is None else jax.tree.map(lambda r: r[None], routing))
+            routing = _concat_layers(routings)
+        hidden = norm(c, self.param_dtype, "final_norm")(x)
 
         logits = None
         if self.project:
@@ -598,15 +665,34 @@ class Decoder(nn.Module):
                 head = embed.embedding.T  # [hidden, vocab]
             else:
                 head = self.param("lm_head", _INIT, (c.hidden_size, c.vocab_size), self.param_dtype)
-            logits = jnp.einsum(
-                "btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32
-            )
+            logits = project_logits(hidden, head, c)
         new_cache = None
         if cache is not None:  # row b's chunk goes at its slots index[b] .. index[b] + seq
             write = lambda buf, x: write_rows(buf, x, index)
             k, v = (write(cache.k, new_kv[0]), write(cache.v, new_kv[1])) if self.scan_layers else layer_cache
             new_cache = cache.written(k, v, positions)
-        return logits, hidden, new_cache
+        return logits, hidden, new_cache, routing
+
+
+def layer_ropes(config: ModelConfig) -> tuple[RopeConfig, ...]:
+    """The RoPE of full-attention layers, and a second one where sliding layers have their own."""
+    local = config.local_rope
+    return (config.rope,) if local is None or local == config.rope or config.sliding_window is None else (config.rope, local)
+
+
+def project_logits(hidden: jax.Array, head: jax.Array, config: ModelConfig) -> jax.Array:
+    """logits [..., vocab] float32 of final hidden states [..., hidden] through `head` [hidden, vocab],
+    soft-capped where the family caps them (Gemma 2)."""
+    logits = jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return soft_cap(logits, config.final_softcap)
+
+
+def _concat_layers(routings: list) -> Routing | None:
+    """Per-part `Routing`s with a leading [layers] axis (frozen and trained scans, or single
+    layers) as one; None for a dense model."""
+    if routings[0] is None:
+        return None
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *routings)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "param_dtype", "value_head"))
@@ -676,6 +762,7 @@ def forward(
     activation_sharding: jax.sharding.Sharding | None = None,
     kernels: AttentionKernels = AttentionKernels(),
     lora_scale: float = 0.0,
+    return_routing: bool = False,
 ):
     """Runs the decoder on tokens [batch, seq] int32 at positions [batch, seq] int32 (-1 = padding).
 
@@ -690,11 +777,13 @@ def forward(
     Returns (logits [batch, seq, vocab] float32, new cache or None), plus the final hidden states
     [batch, seq, hidden] (input of `value_head`) when `return_hidden`. Without a cache, `params`
     may be split for tuned training (`models/tuning.combine`, adapters scaled by `lora_scale`).
+    A mixture of experts' `moe.Routing` ([layers, ...] leaves) comes last with `return_routing`.
     """
-    logits, hidden, new_cache = _decoder(params, dtype, remat, activation_sharding, kernels, True, config, lora_scale).apply(
-        {"params": _backbone(params)}, tokens, positions, cache
-    )
-    return (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
+    logits, hidden, new_cache, routing = _decoder(
+        params, dtype, remat, activation_sharding, kernels, True, config, lora_scale
+    ).apply({"params": _backbone(params)}, tokens, positions, cache)
+    out = (logits, new_cache, hidden) if return_hidden else (logits, new_cache)
+    return (*out, routing) if return_routing else out
 
 
 def hidden_states(
@@ -708,16 +797,18 @@ def hidden_states(
     activation_sharding: jax.sharding.Sharding | None = None,
     kernels: AttentionKernels = AttentionKernels(),
     lora_scale: float = 0.0,
+    return_routing: bool = False,
     ends: jax.Array | None = None,
-) -> jax.Array:
+):
     """The final (normed) hidden states [batch, seq, hidden] of `forward` without a cache, in the
-    compute dtype, without projecting to the vocabulary (see `output_head`). `params` may be split
-    for tuned training (`models/tuning.combine`); `lora_scale` scales their adapters. `ends`: the
-    rows are prefix trees (`Decoder`)."""
-    _, hidden, _ = _decoder(params, dtype, remat, activation_sharding, kernels, False, config, lora_scale).apply(
+    compute dtype, without projecting to the vocabulary (see `output_head`, `project_logits`).
+    `params` may be split for tuned training (`models/tuning.combine`); `lora_scale` scales their
+    adapters. With `return_routing`: (hidden, `moe.Routing` or None). `ends`: the rows are prefix
+    trees (`Decoder`)."""
+    _, hidden, _, routing = _decoder(params, dtype, remat, activation_sharding, kernels, False, config, lora_scale).apply(
         {"params": _backbone(params)}, tokens, positions, None, ends
     )
-    return hidden
+    return (hidden, routing) if return_routing else hidden
 
 
 def output_head(params: Params, config: ModelConfig) -> jax.Array:
@@ -734,7 +825,7 @@ def _decoder(params, dtype, remat, activation_sharding, kernels, project, config
     layers, LoRA adapters; `models/tuning.py`) as the tree shows."""
     frozen = jax.tree.leaves(params["frozen_layers"])[0].shape[0] if "frozen_layers" in params else 0
     layers = params.get("layers", {})
-    targets = tuple(name.removesuffix("_lora") for module in ("attn", "mlp") for name in layers.get(module, {})
+    targets = tuple(name.removesuffix("_lora") for module in ("attn", "mlp", "moe") for name in layers.get(module, {})
                     if name.endswith("_lora"))
     if targets and not lora_scale:
         raise ValueError(f"the parameters carry LoRA adapters ({', '.join(targets)}) but lora_scale is 0")

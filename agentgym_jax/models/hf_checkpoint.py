@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -58,7 +59,8 @@ class _Layout:
 
     The HF tensor, reshaped so that its dims are the flattened `groups` (each group is one HF dim
     split into factors), then transposed by `perm`, is our array; stacked parameters have one HF
-    tensor per layer (`{layer}` in the name) and a leading [layers] axis on our side.
+    tensor per layer (`{layer}` in the name) and a leading [layers] axis on our side, and a
+    mixture of experts' weights one per layer and expert (`{expert}` too) and [layers, experts].
     """
 
     name: str
@@ -70,8 +72,18 @@ class _Layout:
         return tuple(math.prod(g) for g in self.groups)
 
     @property
-    def stacked(self) -> bool:
-        return "{layer}" in self.name
+    def stacks(self) -> tuple[str, ...]:
+        """The stacked axes in front of ours: () | ("layer",) | ("layer", "expert")."""
+        return tuple(axis for axis in _STACKS if "{" + axis + "}" in self.name)
+
+    def names(self, config: ModelConfig) -> Iterator[tuple[tuple[int, ...], str]]:
+        """(index on the stacked axes, HF name) of each of its HF tensors, in file order."""
+        counts = {"layer": config.num_layers, "expert": config.num_experts}
+        for index in itertools.product(*(range(counts[axis]) for axis in self.stacks)):
+            yield index, self.name.format(**dict(zip(self.stacks, index)))
+
+
+_STACKS = ("layer", "expert")
 
 
 def _layouts(config: ModelConfig) -> dict[str, _Layout]:
@@ -97,6 +109,22 @@ def _layouts(config: ModelConfig) -> dict[str, _Layout]:
         name = layer + f"self_attn.{proj}_proj."
         table[f"layers/attn/{proj}_proj/kernel"] = (name + "weight", ((heads, hd), (d,)), (2, 0, 1))
         table[f"layers/attn/{proj}_proj/bias"] = (name + "bias", ((heads, hd),), (0, 1))
+    if c.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention, not before the MLP
+        for ours, theirs in (("post_attn_norm", "post_attention_layernorm"), ("mlp_norm", "pre_feedforward_layernorm"),
+                             ("post_mlp_norm", "post_feedforward_layernorm")):
+            table[f"layers/{ours}/scale"] = (layer + f"{theirs}.weight", ((d,),), (0,))
+    if c.moe:
+        m, s = c.moe_intermediate_size, c.shared_expert_intermediate_size
+        expert = layer + "mlp.experts.{expert}."
+        table["layers/moe/router/kernel"] = (layer + "mlp.gate.weight", ((c.num_experts,), (d,)), (1, 0))
+        table["layers/moe/gate_proj/kernel"] = (expert + "gate_proj.weight", ((m,), (d,)), (1, 0))
+        table["layers/moe/up_proj/kernel"] = (expert + "up_proj.weight", ((m,), (d,)), (1, 0))
+        table["layers/moe/down_proj/kernel"] = (expert + "down_proj.weight", ((d,), (m,)), (1, 0))
+        shared = layer + "mlp.shared_expert."
+        table["layers/shared_expert/gate_proj/kernel"] = (shared + "gate_proj.weight", ((s,), (d,)), (1, 0))
+        table["layers/shared_expert/up_proj/kernel"] = (shared + "up_proj.weight", ((s,), (d,)), (1, 0))
+        table["layers/shared_expert/down_proj/kernel"] = (shared + "down_proj.weight", ((d,), (s,)), (1, 0))
+        table["layers/shared_expert_gate/kernel"] = (layer + "mlp.shared_expert_gate.weight", ((1,), (d,)), (1, 0))
     return {path: _Layout(*spec) for path, spec in table.items()}
 
 
@@ -156,14 +184,24 @@ def _read(tensors: _Tensors, layout: _Layout, name: str, index: tuple[slice, ...
     return part.reshape(local_shape)[tuple(local_index)].transpose(layout.perm)
 
 
+def _read_stacked(tensors: _Tensors, layout: _Layout, index: tuple[slice, ...], shape: tuple[int, ...],
+                  at: dict[str, int]) -> np.ndarray:  # `at`: the stacked axes' indices chosen so far
+    """The part `index` of our (stacked) array: its stacked axes' HF tensors read one by one."""
+    depth = len(at)
+    if depth == len(layout.stacks):
+        return _read(tensors, layout, layout.name.format(**at), index[depth:])
+    axis = layout.stacks[depth]
+    return np.stack([_read_stacked(tensors, layout, index, shape, {**at, axis: i})
+                     for i in range(*index[depth].indices(shape[depth]))])
+
+
 def _check_tensors(tensors: _Tensors, config: ModelConfig, shapes: Mapping[str, Any]) -> None:
     """Names every missing tensor and every tensor whose shape differs from the config's."""
     layouts = _layouts(config)
     missing, wrong = [], []
     for path in shapes:
         layout = layouts[path]
-        names = [layout.name.format(layer=i) for i in range(config.num_layers)] if layout.stacked else [layout.name]
-        for name in names:
+        for _, name in layout.names(config):
             if name not in tensors:
                 missing.append(name)
                 continue
@@ -241,12 +279,7 @@ def load_pretrained(
             def callback(index: tuple[slice, ...]) -> np.ndarray:
                 key = tuple(s.indices(n) for s, n in zip(index, shape.shape))
                 if key not in reads:
-                    if layout.stacked:
-                        layers = range(*index[0].indices(config.num_layers))
-                        parts = [_read(tensors, layout, layout.name.format(layer=i), index[1:]) for i in layers]
-                        reads[key] = np.stack(parts).astype(shape.dtype)
-                    else:
-                        reads[key] = _read(tensors, layout, layout.name, index).astype(shape.dtype)
+                    reads[key] = _read_stacked(tensors, layout, index, shape.shape, {}).astype(shape.dtype)
                 return reads[key]
 
             return jax.make_array_from_callback(shape.shape, flat_shardings[path], callback)
@@ -272,11 +305,8 @@ def _hf_tensors(params: Params, config: ModelConfig) -> Iterator[tuple[str, _Lay
     layouts = _layouts(config)
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         layout = layouts[path_str(key_path)]
-        if layout.stacked:
-            for i in range(config.num_layers):
-                yield layout.name.format(layer=i), layout, leaf[i]
-        else:
-            yield layout.name, layout, leaf
+        for index, name in layout.names(config):
+            yield name, layout, leaf[index]
 
 
 def _to_hf(x: jax.Array, layout: _Layout, dtype: np.dtype) -> np.ndarray:

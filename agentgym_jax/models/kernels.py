@@ -39,6 +39,7 @@ Axes = str | tuple[str, ...] | None  # mesh axes of one array dimension
 ATTENTION_BLOCK = 512  # query and key positions per attention block (the score tile is block x block)
 TRAINING_KERNELS = ("xla", "splash")
 DECODE_KERNELS = ("xla", "triton")
+MOE_DISPATCH = ("dense", "ragged")  # the dispatches of `models.moe` (kept here: moe imports nothing of kernels)
 _NATIVE = {"splash": "tpu", "triton": "gpu"}  # the backend each Pallas kernel is written for
 _LANES = 128  # splash tiles are multiples of the TPU lane width
 
@@ -55,19 +56,27 @@ class AttentionKernels:
     decode: str = "xla"
     block: int = ATTENTION_BLOCK
     interpret: bool = False
+    moe_dispatch: str = "dense"  # how a mixture of experts reaches its experts: one of MOE_DISPATCH (`models.moe`)
 
     def __post_init__(self):
-        for name, valid in (("training", TRAINING_KERNELS), ("decode", DECODE_KERNELS)):
+        for name, label, valid in (("training", "training attention kernel", TRAINING_KERNELS),
+                                   ("decode", "decode attention kernel", DECODE_KERNELS),
+                                   ("moe_dispatch", "moe_dispatch", MOE_DISPATCH)):
             if getattr(self, name) not in valid:
-                raise ValueError(f"{name} attention kernel {getattr(self, name)!r} is not one of {', '.join(valid)}")
+                raise ValueError(f"{label} {getattr(self, name)!r} is not one of {', '.join(valid)}")
         if self.block < 1:
             raise ValueError(f"attention block must be >= 1, got {self.block}")
 
     @classmethod
-    def for_backend(cls, training: str = "auto", decode: str = "auto", backend: str | None = None) -> AttentionKernels:
+    def for_backend(cls, training: str = "auto", decode: str = "auto", backend: str | None = None,
+                    moe_dispatch: str = "auto") -> AttentionKernels:
         """"auto" picks the Pallas kernel on the backend it is written for, XLA elsewhere; a Pallas
-        kernel named on another backend is an error (interpret mode is for tests only)."""
+        kernel named on another backend is an error (interpret mode is for tests only). A mixture
+        of experts dispatches by grouped matmuls ("ragged") on accelerators, densely on the CPU,
+        where `ragged_dot` is a masked dense product anyway."""
         backend = backend or jax.default_backend()
+        if moe_dispatch == "auto":
+            moe_dispatch = "dense" if backend == "cpu" else "ragged"
 
         def pick(kind: str, name: str, valid: tuple[str, ...]) -> str:
             if name == "auto":
@@ -78,7 +87,8 @@ class AttentionKernels:
                 )
             return name
 
-        return cls(training=pick("training", training, TRAINING_KERNELS), decode=pick("decode", decode, DECODE_KERNELS))
+        return cls(training=pick("training", training, TRAINING_KERNELS), decode=pick("decode", decode, DECODE_KERNELS),
+                   moe_dispatch=moe_dispatch)
 
 
 def _shard_spec(mesh: Mesh, batch_axes: Axes, shape: tuple[int, ...], heads_dim: int, kv_heads: int) -> P:
@@ -111,14 +121,19 @@ def splash_attention(
     positions: jax.Array,
     *,
     block: int = ATTENTION_BLOCK,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
     mesh: Mesh | None = None,
     batch_axes: Axes = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """`decoder.flash_attention(q, k, v, positions, positions)` by TPU splash attention.
+    """`decoder.flash_attention(q, k, v, positions, positions, window=..., scale=..., softcap=...)`
+    by TPU splash attention.
 
     q [batch, seq, heads, head_dim]; k, v [batch, kv_heads, seq, head_dim]; positions [batch, seq]
-    (real tokens at increasing positions, padding -1). Returns [batch, seq, heads, head_dim].
+    (real tokens at increasing positions, padding -1). A sliding `window` is splash's local mask,
+    which skips the tiles outside the band. Returns [batch, seq, heads, head_dim].
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -127,7 +142,8 @@ def splash_attention(
     tile = max(_LANES, min(block, -(-seq // _LANES) * _LANES) // _LANES * _LANES)
     padded = -(-seq // tile) * tile
     segments = (positions >= 0).astype(jnp.int32)
-    q = (q * head_dim**-0.5).astype(q.dtype).swapaxes(1, 2)  # [batch, heads, seq, head_dim]
+    scale = head_dim**-0.5 if scale is None else scale
+    q = (q * scale).astype(q.dtype).swapaxes(1, 2)  # [batch, heads, seq, head_dim]
     if padded > seq:  # padded columns: segment 0, like padding
         q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - seq), (0, 0)))
         k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, padded - seq), (0, 0))) for x in (k, v))
@@ -138,8 +154,10 @@ def splash_attention(
             block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile, block_kv_dkv=tile,
             block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile,
         )
-        causal = masks.MultiHeadMask([masks.CausalMask((padded, padded))] * q.shape[1])
-        kernel = splash.make_splash_mha(causal, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+        shape = (padded, padded)
+        causal = masks.CausalMask(shape) if window is None else masks.LocalMask(shape, (window - 1, 0), offset=0)
+        kernel = splash.make_splash_mha(masks.MultiHeadMask([causal] * q.shape[1]), block_sizes=sizes, head_shards=1,
+                                        q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
         return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(q, k, v, segments)
 
     out = _per_shard(attend, mesh, batch_axes, (q, k, v, segments), (1, 1, 1, None), k.shape[1])
@@ -151,16 +169,20 @@ def ragged_decode_attention(
     k: jax.Array,
     v: jax.Array,
     lengths: jax.Array,
+    starts: jax.Array | None = None,
     *,
+    scale: float | None = None,
     mesh: Mesh | None = None,
     batch_axes: Axes = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """One decode step's attention over each row's first `lengths[b]` cache slots, by the GPU
-    (Triton) ragged decode kernel: work per row follows its own length, not the bucket's.
+    """One decode step's attention over each row's cache slots `starts[b] .. lengths[b] - 1` (all
+    from 0 without `starts`; a sliding window's start otherwise), by the GPU (Triton) ragged decode
+    kernel: work per row follows its own length, not the bucket's.
 
     q [batch, 1, heads, head_dim]; k, v [batch, kv_heads, slots, head_dim] (the cache, the step's
-    key already written); lengths [batch] int. Returns [batch, 1, heads, head_dim].
+    key already written); lengths, starts [batch] int; scores scaled by `scale` (default
+    head_dim ** -0.5; no soft cap). Returns [batch, 1, heads, head_dim].
     """
     from jax.experimental.pallas.ops.gpu import decode_attention
 
@@ -172,11 +194,14 @@ def ragged_decode_attention(
     block_k = next(b for b in (128, 64, 32, 16) if slots % b == 0)
     splits = next(s for s in (16, 8, 4, 2, 1) if slots % (s * block_k) == 0)
 
-    def attend(q, k, v, lengths):
+    starts = jnp.zeros_like(lengths) if starts is None else starts
+
+    def attend(q, k, v, lengths, starts):
         # gqa takes keys slot-major; the swap undoes its own, so XLA moves no cache bytes.
         return decode_attention.gqa(
-            q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2), kv_seq_len=lengths, k_splits=splits, block_k=block_k,
-            interpret=interpret,
+            q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2), start_idx=starts, kv_seq_len=lengths, sm_scale=scale,
+            k_splits=splits, block_k=block_k, interpret=interpret,
         )[:, None]
 
-    return _per_shard(attend, mesh, batch_axes, (q, k, v, lengths.astype(jnp.int32)), (2, 1, 1, None), k.shape[1])
+    args = (q, k, v, lengths.astype(jnp.int32), starts.astype(jnp.int32))
+    return _per_shard(attend, mesh, batch_axes, args, (2, 1, 1, None, None), k.shape[1])

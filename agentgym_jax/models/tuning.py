@@ -7,9 +7,11 @@ splits the decoder's parameters into a trainable and a frozen pytree:
   `frozen_layers` with the embedding (and an untied head). The decoder runs the frozen blocks as
   their own scan and stops the gradient at their output, so the backward pass ends there.
 - `lora_rank=r`: every target projection `W` gains adapters `a` [in, r] and `b` [r, out]
-  (`<proj>_lora/{a,b}` beside `<proj>`), computing `x @ W + (alpha / r) * (x @ a) @ b`; `b`
+  (`<target>_lora/{a,b}` beside `<proj>`), computing `x @ W + (alpha / r) * (x @ a) @ b`; `b`
   starts at zero, so a fresh adapter leaves the model unchanged. Only adapters train (of the
-  trainable layers, with both set); every base weight is frozen.
+  trainable layers, with both set); every base weight is frozen. A mixture of experts' projections
+  are targets `expert_gate`, `expert_up`, `expert_down`: each expert its own pair ([experts, in,
+  r], [experts, r, out]); leaving them out trains attention only and freezes every expert.
 
 The trainer keeps `(trainable, frozen)` apart (frozen in the compute dtype, outside the
 optimizer), runs forward passes on `combine(trainable, frozen)` (a dict merge: no copies), and
@@ -27,11 +29,14 @@ import jax
 import jax.numpy as jnp
 
 Params = dict[str, Any]
-# target -> (sub-module, projection, input dims of its kernel after the [layers] axis)
+# target -> (sub-module, projection, input dims of its kernel after the [layers] axis and its
+# `batch` dims: the experts, each with its own adapters)
 LORA_TARGETS = {
     "q": ("attn", "q_proj", 1), "k": ("attn", "k_proj", 1), "v": ("attn", "v_proj", 1), "o": ("attn", "o_proj", 2),
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
+    "expert_gate": ("moe", "gate_proj", 1), "expert_up": ("moe", "up_proj", 1), "expert_down": ("moe", "down_proj", 1),
 }
+BATCH_DIMS = {"moe": 1}  # the [experts] axis after [layers]
 LORA_SUFFIX = "_lora"
 
 
@@ -89,13 +94,16 @@ def init_adapters(layers: Params, tuning: Tuning, rng: jax.Array) -> Params:
     adapters: Params = {}
     for i, target in enumerate(tuning.lora_targets):
         module, proj, n_in = LORA_TARGETS[target]
-        kernel = layers[module][proj]["kernel"]  # [L, *in, *out]
-        fan_in = math.prod(kernel.shape[1 : 1 + n_in])
-        a_shape = (*kernel.shape[: 1 + n_in], tuning.lora_rank)
-        b_shape = (kernel.shape[0], tuning.lora_rank, *kernel.shape[1 + n_in :])
+        if module not in layers:
+            present = ", ".join(t for t, (m, _, _) in LORA_TARGETS.items() if m in layers)
+            raise ValueError(f"lora target {target!r} names a {module} layer this model has not; its targets: {present}")
+        kernel = layers[module][proj]["kernel"]  # [L, *batch, *in, *out]
+        lead = 1 + BATCH_DIMS.get(module, 0)
+        fan_in = math.prod(kernel.shape[lead : lead + n_in])
+        a_shape = (*kernel.shape[: lead + n_in], tuning.lora_rank)
+        b_shape = (*kernel.shape[:lead], tuning.lora_rank, *kernel.shape[lead + n_in :])
         a = jax.random.normal(jax.random.fold_in(rng, i), a_shape, jnp.float32) * fan_in**-0.5
-        adapters.setdefault(module, {})[proj.removesuffix("_proj") + LORA_SUFFIX] = {
-            "a": a.astype(kernel.dtype), "b": jnp.zeros(b_shape, kernel.dtype)}
+        adapters.setdefault(module, {})[target + LORA_SUFFIX] = {"a": a.astype(kernel.dtype), "b": jnp.zeros(b_shape, kernel.dtype)}
     return adapters
 
 
@@ -114,14 +122,16 @@ def merge(trainable: Params, frozen: Params, lora_scale: float, dtype: jnp.dtype
     (None: the kernels' own). Jit it: it makes one new copy of the model."""
     params = combine(trainable, frozen)
     layers = params["layers"]
-    for module in ("attn", "mlp"):
+    for module in ("attn", "mlp", "moe"):
         for name in [n for n in layers.get(module, {}) if n.endswith(LORA_SUFFIX)]:
             lora = layers[module][name]
-            proj = name.removesuffix(LORA_SUFFIX) + "_proj"
+            proj = LORA_TARGETS[name.removesuffix(LORA_SUFFIX)][1]
             kernel = layers[module][proj]["kernel"]
             a, b = lora["a"].astype(jnp.float32), lora["b"].astype(jnp.float32)
-            rank = a.shape[-1]
-            delta = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, rank), b.reshape(b.shape[0], rank, -1))
+            lead, rank = 1 + BATCH_DIMS.get(module, 0), a.shape[-1]
+            # [L * batch, in, rank] @ [L * batch, rank, out] per layer (and expert)
+            delta = jnp.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[lead:-1]), rank),
+                               b.reshape(-1, rank, math.prod(b.shape[lead + 1:])))
             merged = kernel.astype(jnp.float32) + lora_scale * delta.reshape(kernel.shape)
             layers = {**layers, module: {**{k: v for k, v in layers[module].items() if k != name},
                                          proj: {**layers[module][proj], "kernel": merged.astype(kernel.dtype)}}}

@@ -2,7 +2,7 @@
 
 Megatron-style tensor parallelism splits query/key/value heads and the MLP hidden dimension over
 `tensor` (so attention and the MLP need one all-reduce each, after o_proj and down_proj); FSDP
-shards the model dimension of every matrix over `fsdp`. A dimension that the mesh axes do not
+shards the model dimension of every matrix over `fsdp`, and a mixture of experts' experts. A dimension that the mesh axes do not
 divide is replicated over them instead (e.g. 2 key/value heads on a tensor axis of 4).
 """
 
@@ -30,8 +30,12 @@ DEFAULT_RULES: Rules = (
     (r"attn/(q|k|v)_proj/kernel$", P(None, "fsdp", "tensor", None)),  # [L, hidden, heads, head_dim]
     (r"attn/(q|k|v)_proj/bias$", P(None, "tensor", None)),  # [L, heads, head_dim]
     (r"attn/o_proj/kernel$", P(None, "tensor", None, "fsdp")),  # [L, heads, head_dim, hidden]
-    (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, hidden, mlp]
-    (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, mlp, hidden]
+    (r"(mlp|shared_expert)/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, hidden, mlp]
+    (r"(mlp|shared_expert)/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, mlp, hidden]
+    # A mixture of experts: the experts over fsdp (each device stores its share of them, gathered
+    # a layer at a time like any FSDP weight), their hidden dimension over tensor.
+    (r"moe/(gate|up)_proj/kernel$", P(None, "fsdp", None, "tensor")),  # [L, experts, hidden, moe]
+    (r"moe/down_proj/kernel$", P(None, "fsdp", "tensor", None)),  # [L, experts, moe, hidden]
     # LoRA adapters (`models/tuning.py`), split like the kernel they adapt: a [L, *in, rank], b [L, rank, *out]
     (r"attn/(q|k|v)_lora/a$", P(None, "fsdp", None)),
     (r"attn/(q|k|v)_lora/b$", P(None, None, "tensor", None)),
@@ -41,7 +45,11 @@ DEFAULT_RULES: Rules = (
     (r"mlp/(gate|up)_lora/b$", P(None, None, "tensor")),
     (r"mlp/down_lora/a$", P(None, "tensor", None)),
     (r"mlp/down_lora/b$", P(None, None, "fsdp")),
-    (r".*", P()),  # norm scales, o_proj bias, value head: small, replicated
+    (r"moe/expert_(gate|up)_lora/a$", P(None, "fsdp", None, None)),  # [L, experts, hidden, rank]
+    (r"moe/expert_(gate|up)_lora/b$", P(None, "fsdp", None, "tensor")),  # [L, experts, rank, moe]
+    (r"moe/expert_down_lora/a$", P(None, "fsdp", "tensor", None)),
+    (r"moe/expert_down_lora/b$", P(None, "fsdp", None, None)),
+    (r".*", P()),  # norm scales, o_proj bias, routers, value head: small, replicated
 )
 
 

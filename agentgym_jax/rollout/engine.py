@@ -165,7 +165,10 @@ class RolloutProgress(NamedTuple):
     @property
     def fraction(self) -> float:
         """The share of the run's turns played, counting those the ended episodes no longer need:
-        how far a batch is while its episodes all finish near its end."""
+        how far a batch is while its episodes all finish near its end. Without turn counts (an
+        agent program's episodes), the share of episodes ended."""
+        if self.turns + self.turns_left == 0:
+            return self.finished / max(self.episodes, 1)
         return self.turns / (self.turns + self.turns_left) if self.turns_left else 1.0
 
 
@@ -755,7 +758,7 @@ class _SlotRollout(_Rollout):
         rows = np.flatnonzero(self.turn.active)
         count = self.turn.count.copy()
         steps = self.config.decode_chunk
-        self.state, self.turn, (tokens, _, raw_logprobs, index) = await self._in_sampler(
+        self.state, self.turn, (tokens, _, raw_logprobs, _, index) = await self._in_sampler(
             lambda: self.sampler.decode_chunk(self.params, self.state, self.turn, self.rng, steps, self.index),
             [self.holder[row].slot for row in rows],
         )

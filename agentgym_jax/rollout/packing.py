@@ -71,12 +71,22 @@ def _branches(rows: Sequence[np.ndarray], members: list[int], depth: int) -> lis
 
 def units_of(group_ids: np.ndarray, rows_per_unit: int, trained: np.ndarray) -> list[list[int]]:
     """Batch rows grouped into units of at most `rows_per_unit`: the trained rows of each group
-    together (a group larger than a unit is cut into several), in order of first appearance.
-    Rows that train nothing (padding, masked groups) are left out: they need no computation."""
+    together, whole groups sharing a unit while they fit (each its own tree in the packed row: no
+    padding between them), a group larger than a unit cut into several; groups in order of
+    first appearance. Rows that train nothing (padding, masked groups) are left out: they need
+    no computation, and the units they would have filled are not run."""
     by_group: dict[int, list[int]] = {}
     for row in np.flatnonzero(trained):
         by_group.setdefault(int(group_ids[row]), []).append(int(row))
-    return [rows[i : i + rows_per_unit] for rows in by_group.values() for i in range(0, len(rows), rows_per_unit)]
+    units: list[list[int]] = []
+    for rows in by_group.values():
+        for i in range(0, len(rows), rows_per_unit):
+            part = rows[i : i + rows_per_unit]
+            if units and len(units[-1]) + len(part) <= rows_per_unit:
+                units[-1] += part
+            else:
+                units.append(part)
+    return units
 
 
 def group_units(batch: TokenBatch, rows_per_unit: int) -> list[list[int]]:

@@ -13,13 +13,58 @@ reads (ours and AgentGym's own). Any other reply (no call, a malformed one, seve
 sent as its visible text: the server answers it as an invalid action (reward 0, counted in
 `info.invalid_actions`) whose observation says what was wrong, and that observation is the
 tool message the policy reads next.
+
+Where the chat template writes no tool list (SmolLM2's ChatML), the tools would never reach the
+model: `tool_prompt` then writes them itself, as `tool_list_block` in the system turn (appended
+to the system message, or as one of its own), for the rollout engine, the demonstrations and the
+gateway alike, so a policy trained on one is served the same prompt by the other.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from agentgym_jax.envs.protocol.tool_calls import ToolCall, ToolCallError, format_agentgym, parse_tool_call
+from agentgym_jax.models.chat import ChatFraming, Framed
 
 THINK_END = "</think>"
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool_list_block(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tool list written into the system turn where the template writes none (Hermes-style
+    `<tools>` and `<tool_call>` markup, which the protocol's parser reads back)."""
+    lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("# Tools\n\nYou may call the functions below. Their signatures, one JSON object a line:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "To call one, reply with its name and arguments as a JSON object inside <tool_call></tool_call> tags:\n"
+            '<tool_call>\n{"name": "<function name>", "arguments": {<its arguments>}}\n</tool_call>')
+
+
+@functools.cache
+def writes_tool_list(framing: ChatFraming) -> bool:
+    """Whether the framing's chat template writes `tools=` into a prompt at all."""
+    probe = [{"role": "user", "content": "Hello."}]
+    return framing.prompt_ids(probe, tools=[_PROBE_TOOL]).ids != framing.prompt_ids(probe).ids
+
+
+def tool_prompt(framing: ChatFraming, messages: Sequence[Mapping[str, str]],
+                tools: Sequence[Mapping[str, Any]] | None) -> Framed:
+    """The first prompt of `messages` with `tools` (OpenAI function schemas) where the template
+    writes them, else with `tool_list_block` in the system turn. No tools: the plain prompt."""
+    if not tools or writes_tool_list(framing):
+        return framing.prompt_ids(messages, tools=tools)
+    block = tool_list_block(tools)
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{block}" if messages[0]["content"] else block
+    else:
+        messages.insert(0, {"role": "system", "content": block})
+    return framing.prompt_ids(messages)
 
 
 def visible_reply(text: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from agentgym_jax.envs.protocol import EpisodeStatus
 from agentgym_jax.models.chat import ChatFraming, Framed
+from agentgym_jax.rollout.tool_use import tool_prompt
 from agentgym_jax.rollout.trajectory import Trajectory
 
 ACKNOWLEDGEMENT = "Ok."  # AgentGym's assistant reply to the instruction turn
@@ -75,9 +76,9 @@ class Transcript:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Transcript:
         """A transcript holding the first prompt (ending with the generation header). With `tools`
-        (OpenAI function schemas, even none) it is a function-calling episode: the template
-        writes the tools into the prompt and environment answers are tool messages."""
-        prompt = framing.prompt_ids(prompt_messages(instruction, observation, style), tools=tools)
+        (OpenAI function schemas, even none) it is a function-calling episode: the tools are in the
+        prompt (`tool_use.tool_prompt`) and environment answers are tool messages."""
+        prompt = tool_prompt(framing, prompt_messages(instruction, observation, style), tools)
         return cls(framing, prompt, "environment" if tools is None else "tool")
 
     @property

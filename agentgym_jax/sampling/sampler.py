@@ -127,6 +127,9 @@ class TurnOutput(NamedTuple):
     logprobs: np.ndarray  # [rows, max_new_tokens] float32 under the sampling distribution; 0 after count
     raw_logprobs: np.ndarray | None  # same at the temperature, unfiltered (if asked for)
     stop: np.ndarray  # [rows] int32 StopReason
+    # A mixture of experts: the experts each sampled token was routed to when it went into the
+    # cache, [rows, max_new_tokens, layers, k] int32 (-1 after count); None for a dense model.
+    experts: np.ndarray | None = None
 
 
 class _DecodeCarry(NamedTuple):
@@ -138,6 +141,7 @@ class _DecodeCarry(NamedTuple):
     tokens: jax.Array  # [batch, steps]
     logprobs: jax.Array  # [batch, steps]
     raw_logprobs: jax.Array  # [batch, steps]
+    experts: jax.Array | None  # [batch, steps, layers, k] (a mixture of experts)
 
 
 def append_chunk(
@@ -156,7 +160,7 @@ def append_chunk(
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [T]
     real = offsets[None, :] < lengths[:, None]  # [B, T]
     positions = jnp.where(real, cache.next_positions()[:, None] + offsets, -1)
-    last, cache = step_fn(params, tokens, positions, cache, jnp.maximum(lengths - 1, 0))  # [B, V]
+    last, cache, _ = step_fn(params, tokens, positions, cache, jnp.maximum(lengths - 1, 0))  # [B, V]
     return cache, jnp.where((lengths > 0)[:, None], last, logits)
 
 
@@ -180,12 +184,13 @@ def decode(
     logits: jax.Array,
     turn: Turn,
     rng: jax.Array,
-) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, ...]]:
     """Samples up to `steps` tokens for every active row of `turn` (a whole turn, or one chunk).
 
     Returns the cache (every sampled token written at its row's own slot), the next-token
     logits, the turn (counts and stops advanced; rows whose real tokens fill the cache stop with
-    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps]: a row that sampled
+    CACHE_FULL) and the chunk's (tokens, logprobs, raw_logprobs) [B, steps] and a mixture of
+    experts' routing of each sampled token (experts [B, steps, layers, k], else None): a row that sampled
     n tokens in this call has them in columns 0..n-1. `loop_params_fn` reshapes the params once,
     before the loop, into what every step reads; `forcing` applies `turn.forced`.
     """
@@ -209,7 +214,7 @@ def decode(
         s = sample(keys, _force_turn_lengths(c.logits, t, config.eot_ids) if forcing else c.logits, config)
         tok = jnp.where(t.active, s.tokens, config.pad_id)  # [B]
         positions = jnp.where(t.active, c.next_positions, -1)
-        out, cache = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
+        out, cache, experts = step_fn(params, tok[:, None], positions[:, None], c.cache, jnp.zeros_like(tok))
         count = t.count + t.active
         at_eot = t.active & jnp.isin(tok, eot_ids)
         at_limit = t.active & ~at_eot & (count >= t.limit)
@@ -229,8 +234,12 @@ def decode(
             raw_logprobs=(
                 column(c.raw_logprobs, s.raw_logprobs) if config.return_raw_logprobs else c.raw_logprobs
             ),
+            experts=None if experts is None else c.experts.at[:, c.step].set(
+                jnp.where(t.active[:, None, None], experts, -1)),
         )
 
+    routed = jax.eval_shape(step_fn, params, jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                            cache, jnp.zeros((batch,), jnp.int32))[2]  # [batch, layers, k] or None
     start = _DecodeCarry(
         step=jnp.zeros((), jnp.int32),
         cache=cache,
@@ -240,9 +249,10 @@ def decode(
         tokens=jnp.full((batch, steps), config.pad_id, jnp.int32),
         logprobs=buffer,
         raw_logprobs=buffer,
+        experts=None if routed is None else jnp.full((batch, steps, *routed.shape[1:]), -1, jnp.int32),
     )
     c = jax.lax.while_loop(cond, body, start)
-    return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs)
+    return c.cache, c.logits, c.turn, (c.tokens, c.logprobs, c.raw_logprobs, c.experts)
 
 
 def cast_floating(dtype: jnp.dtype, params: Params) -> Params:
@@ -317,12 +327,12 @@ def decode_rows(
     turn: Turn,
     rng: jax.Array,
     rows: jax.Array,
-) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, jax.Array, jax.Array]]:
+) -> tuple[KVCache, jax.Array, Turn, tuple[jax.Array, ...]]:
     """`decode` of the rows `rows [K]` only (out-of-range entries: padding, they sample nothing),
     gathered over their first `slots` slots (what the longest holds plus `steps`, bucketed, or
     `max_cache_len`): a chunk costs the rows whose turn is in progress times what they hold, not
     every slot row x `max_cache_len`. Only the slots the chunk wrote go back into the cache.
-    The outputs (tokens, logprobs, raw_logprobs) are [K, steps], in the order of `rows`."""
+    The outputs (tokens, logprobs, raw_logprobs, experts) are [K, steps, ...], in the order of `rows`."""
     real = rows < logits.shape[0]
     sub_turn = _take_rows(turn, rows)
     sub_turn = sub_turn._replace(active=sub_turn.active & real)
@@ -545,7 +555,7 @@ class Sampler:
         self._decode = jit(
             functools.partial(decode, step_fn, config, loop_params_fn),
             ("static", "static", "params", "cache", "batch", turn, "replicated"),
-            ("cache", "batch", turn, ("batch",) * 3),
+            ("cache", "batch", turn, ("batch",) * 4),
             static_argnums=(0, 1),
             donate_argnums=(3, 4),
         )
@@ -553,7 +563,7 @@ class Sampler:
         self._decode_rows = jit(
             functools.partial(decode_rows, step_fn, config, loop_params_fn),
             ("static",) * 3 + ("params", "cache", "batch", turn, "replicated", rows),
-            ("cache", "batch", turn, ("replicated",) * 3),
+            ("cache", "batch", turn, ("replicated",) * 4),
             static_argnums=(0, 1, 2),
             donate_argnums=(4, 5),
         )
@@ -780,13 +790,17 @@ class Sampler:
         steps = min(chunk or width, width)
         tokens = np.full((batch, width), self.config.pad_id, np.int32)
         logprobs, raw_logprobs = np.zeros((batch, width), np.float32), np.zeros((batch, width), np.float32)
+        experts = None
         while turn.active.any():
             before = turn.count
-            state, turn, (*arrays, index) = self.decode_chunk(params, state, turn, rng, steps, index)
+            state, turn, (*arrays, chunk_experts, index) = self.decode_chunk(params, state, turn, rng, steps, index)
+            if chunk_experts is not None and experts is None:
+                experts = np.full((batch, width, *chunk_experts.shape[2:]), -1, np.int32)
             took = np.arange(steps)[None, :] < (turn.count - before)[:, None]  # [batch, steps]
             row, column = np.nonzero(took)
-            for out, a in zip((tokens, logprobs, raw_logprobs), arrays):
-                out[row, before[row] + column] = a[row, column]
+            for out, a in zip((tokens, logprobs, raw_logprobs, experts), (*arrays, chunk_experts)):
+                if out is not None:
+                    out[row, before[row] + column] = a[row, column]
         stop, count = turn.stop, turn.count
         out = TurnOutput(
             tokens=tokens[:rows],
@@ -794,6 +808,7 @@ class Sampler:
             logprobs=logprobs[:rows],
             raw_logprobs=raw_logprobs[:rows] if self.config.return_raw_logprobs else None,
             stop=stop[:rows],
+            experts=None if experts is None else experts[:rows],
         )
         live = jnp.asarray(np.asarray(state.live) & (stop != StopReason.CACHE_FULL))
         return state.replace(live=live), out
@@ -890,8 +905,9 @@ class Sampler:
         `steps`, bucketed: rows between turns (waiting on their environment) or free cost
         nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Where
         that is every row and every slot of the cache, the batch decodes in place (nothing to
-        gather). Returns the state, the turn (host) and the chunk's (tokens, logprobs,
-        raw_logprobs) [batch, steps] (inactive rows: pad_id / 0) and every row's index.
+        gather). Returns the state, the turn (host), the chunk's (tokens, logprobs, raw_logprobs)
+        [batch, steps] and experts [batch, steps, layers, k] (inactive rows: pad_id / 0 / -1; a
+        dense model: None) and every row's index.
         """
         batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
@@ -911,8 +927,12 @@ class Sampler:
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
         self.work.add_decode(k, turn.count - count)
         out = []
-        for a, fill in zip(arrays, (self.config.pad_id, 0, 0)):
-            full = np.full((batch, steps), fill, np.asarray(a).dtype)
-            full[active] = np.asarray(a)[: len(active)]
+        for a, fill in zip(arrays, (self.config.pad_id, 0, 0, -1)):
+            if a is None:  # a dense model routes nothing
+                out.append(None)
+                continue
+            a = np.asarray(a)
+            full = np.full((batch, *a.shape[1:]), fill, a.dtype)
+            full[active] = a[: len(active)]
             out.append(full)
         return state.replace(cache=cache, logits=logits), turn, (*out, np.asarray(cache.index))

@@ -24,8 +24,9 @@ from agentgym_jax.models.kernels import AttentionKernels
 Params = Any
 # (params, tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache advanced by T)
 ForwardFn = Callable[[Params, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
-# (params, tokens [B, T], positions [B, T], cache, last [B]) -> (logits at `last` [B, V] float32, cache)
-StepFn = Callable[[Params, jax.Array, jax.Array, KVCache, jax.Array], tuple[jax.Array, KVCache]]
+# (params, tokens [B, T], positions [B, T], cache, last [B]) -> (logits at `last` [B, V] float32,
+# cache, the experts the token at `last` was routed to [B, layers, k] or None for a dense model)
+StepFn = Callable[[Params, jax.Array, jax.Array, KVCache, jax.Array], tuple[jax.Array, KVCache, jax.Array | None]]
 
 
 def _at(x: jax.Array, last: jax.Array) -> jax.Array:
@@ -35,7 +36,7 @@ def _at(x: jax.Array, last: jax.Array) -> jax.Array:
 
 def _forward_step(forward_fn: ForwardFn, params, tokens, positions, cache, last):
     logits, cache = forward_fn(params, tokens, positions, cache)
-    return _at(logits, last).astype(jnp.float32), cache
+    return _at(logits, last).astype(jnp.float32), cache, None
 
 
 def from_forward(forward_fn: ForwardFn) -> StepFn:
@@ -44,14 +45,13 @@ def from_forward(forward_fn: ForwardFn) -> StepFn:
 
 
 def _decoder_step(config: ModelConfig, dtype, activation_sharding, kernels, params, tokens, positions, cache, last):
-    _, cache, hidden = decoder.forward(  # the unused full logits are removed by XLA's dead-code pass
+    _, cache, hidden, routing = decoder.forward(  # the unused full logits are removed by XLA's dead-code pass
         params, tokens, positions, cache, config=config, dtype=dtype,
-        activation_sharding=activation_sharding, return_hidden=True, kernels=kernels,
+        activation_sharding=activation_sharding, return_hidden=True, kernels=kernels, return_routing=True,
     )
     hidden = _at(hidden, last)  # [B, hidden], after the final norm
-    head = params["embed"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("bd,dv->bv", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    return logits, cache
+    experts = None if routing is None else _at(routing.experts.transpose(1, 2, 0, 3), last)  # [B, layers, k]
+    return decoder.project_logits(hidden, decoder.output_head(params, config), config), cache, experts
 
 
 def decoder_step(

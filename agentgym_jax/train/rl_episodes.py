@@ -10,8 +10,9 @@
 `Synchronous` (`rollout.max_staleness=0`): step s plays its tasks with the weights of update s,
 then the update runs; the sampler and the environments wait while it does.
 
-`Asynchronous` (`max_staleness=k > 0`, docs/algorithms.md "Asynchronous RL"): a `GroupStream`
-plays the groups of batch b (the tasks, horizon and number step b would play) as soon as the
+`Asynchronous` (`max_staleness=k > 0`, docs/algorithms.md "Asynchronous RL"): a stream
+(`GroupStream` over the rollout engine, or an agent program's episodes through the in-process
+gateway: `gateway/episodes.AgentStreams`, which takes this path at every k, 0 included) plays the groups of batch b (the tasks, horizon and number step b would play) as soon as the
 trainer's version v (updates applied) has b <= v + k, with the newest weights published, while
 the trainer updates. Step s takes the `rollout.batch_tasks` lowest-numbered groups that have
 finished (waiting while fewer have) and are at most k versions stale (oldest token); staler ones
@@ -24,12 +25,13 @@ resumed run plays those again with its restored weights, so no episode is traine
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import jax
 
@@ -73,6 +75,37 @@ class StepPlan:
         tasks, first, _ = self.tasks(batch)
         horizon = self.schedule.horizon(batch)
         return [GroupSpec(batch * self.batch_tasks + first + i, task, horizon) for i, task in enumerate(tasks)]
+
+
+class Stream(Protocol):
+    """Plays fed groups: `play(feed, emit)` on its streams' event loop; `wake`, `stop` from any thread."""
+
+    async def play(self, feed: Callable[[], list[GroupSpec] | None], emit: Callable[[PlayedGroup], None]) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Streams(Protocol):
+    """Where an asynchronous source's streams come from and run."""
+
+    def stream(self, weights: PolicyWeights, rng: jax.Array, times: StreamTimes) -> Stream: ...
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStreams:
+    """`GroupStream`s over the rollout engine, on its event loop."""
+
+    engine: RolloutEngine
+
+    def stream(self, weights: PolicyWeights, rng: jax.Array, times: StreamTimes) -> GroupStream:
+        return GroupStream(self.engine, weights, rng, times)
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        return self.engine.submit(coro)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +154,8 @@ class Asynchronous:
 
     needs_own_weights = True  # the stream reads them while the trainer's next update runs
 
-    def __init__(self, plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]):
-        self.plan, self.engine, self.settings = plan, engine, settings
+    def __init__(self, plan: StepPlan, streams: Streams, settings: AsyncSettings, position: dict[str, Any]):
+        self.plan, self.streams, self.settings = plan, streams, settings
         self.rng = jax.random.fold_in(jax.random.PRNGKey(plan.seed), _STREAM_KEY)
         self._lock = threading.Lock()
         self._next_batch = position.get("next_batch", 0)
@@ -132,7 +165,7 @@ class Asynchronous:
         self._done: list[PlayedGroup] = []  # finished, not yet taken
         self._version = 0
         self._weights: PolicyWeights | None = None
-        self._stream: GroupStream | None = None
+        self._stream: Stream | None = None
         self._future = None
         self._times = StreamTimes()
         self._times_at_last_take = StreamTimes()
@@ -146,11 +179,11 @@ class Asynchronous:
             self._version = step
             self._weights = PolicyWeights(policy(), step)
             if not self.settings.lock_step:
-                self._stream = GroupStream(self.engine, self._weights, self.rng, self._times)
-                self._future = self.engine.submit(self._stream.play(self._feed, self._finished.put))
+                self._stream = self.streams.stream(self._weights, self.rng, self._times)
+                self._future = self.streams.submit(self._stream.play(self._feed, self._finished.put))
         if self.settings.lock_step and (fed := [self._feed()]) != [[]]:  # admitted groups played to their end now
-            stream = GroupStream(self.engine, self._weights, self.rng, self._times)
-            self.engine.submit(stream.play(lambda: fed.pop() if fed else None, self._finished.put)).result()
+            stream = self.streams.stream(self._weights, self.rng, self._times)
+            self.streams.submit(stream.play(lambda: fed.pop() if fed else None, self._finished.put)).result()
         tasks, _, pool = self.plan.tasks(step)
         groups = self._take_groups(len(tasks))
         trajectories = [t for g in groups for t in g.trajectories]
@@ -244,7 +277,7 @@ class Asynchronous:
 
 def of(plan: StepPlan, engine: RolloutEngine, settings: AsyncSettings, position: dict[str, Any]) -> Synchronous | Asynchronous:
     """The episodes' source the settings ask for (`position`: a checkpoint's, {} on a fresh start)."""
-    return Asynchronous(plan, engine, settings, position) if settings.max_staleness else Synchronous(plan, engine)
+    return Asynchronous(plan, EngineStreams(engine), settings, position) if settings.max_staleness else Synchronous(plan, engine)
 
 
 def _minus(a: StreamTimes, b: StreamTimes) -> StreamTimes:

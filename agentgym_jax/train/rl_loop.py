@@ -13,6 +13,10 @@ re-running a finished job prints its report again and changes nothing.
 
 Several processes (`job/setup.py`): each plays its share of the step's tasks on its own servers
 and devices, and the update runs on the global batch of every process's episodes.
+
+An agent program as the environment (`env.agent`, docs/agents.md): the episodes of each step are
+`group_size` calls of the agent per task against this process's in-process gateway, which serves
+the newest weights (`gateway/episodes.py`); its held-out evaluations play the agent too.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import jax
 import ml_collections
 from absl import logging
 
+from agentgym_jax.gateway import episodes as agent_episodes
+from agentgym_jax.gateway.agents import AgentSpec
 from agentgym_jax.job import play, setup
 from agentgym_jax.job import settings as job_settings
-from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer, process_share
+from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train import build, rl_episodes, rl_report, settings
 from agentgym_jax.train.metrics import MetricsLogger
@@ -42,6 +48,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     process_minutes = lambda: (time.time() - start_time) / 60  # noqa: E731  (this process's)
     schedule = settings.horizon_schedule(config.horizon_schedule)
     curriculum = settings.curriculum(config.curriculum)
+    agent = AgentSpec.of(config.env)  # None, or the agent program that plays each episode
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
         return finished
@@ -63,8 +70,11 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         rl_tx = make_optimizer(settings.rl_optim(config, update.batching.updates_per_step))  # schedule in optimizer updates
         state, step_fns = build.policy_state(config, update, params, mesh, rl_tx, *critic)
         settings.check_step_rows(config, update, step_fns.padded_rows)  # before SFT, not at the first update
-        held_out = play.HeldOut.of(config, job, model, framing)
-        train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
+        if agent is None:
+            held_out = play.HeldOut.of(config, job, model, framing)
+            train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, job_settings.rollout(config)))
+        else:
+            held_out = play.HeldOut.of(config, job, model, framing, agent_episodes.agent_policy(config, agent, workdir / "held_out"))
 
         def local_policy(state, own: bool = False):  # the merged policy on this process's sampler devices
             return setup.local_policy(config, job, setup.policy_params(config, mesh, state.params, state.frozen), own)
@@ -103,13 +113,21 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         rules = settings.batch_filter(config)
         # algo.shared_prefix: each group's rows packed as one prefix tree (its prompt computed once), whole
         # units (groups) per micro-batch and per batch shard.
-        packed = dict(rows_per_unit=config.rollout.group_size, unit_multiple=math.lcm(
+        packed = dict(rows_per_unit=config.rollout.group_size * settings.rows_per_episode(config), unit_multiple=math.lcm(
             step_fns.row_shards, update.batching.num_minibatches * update.batching.num_microbatches),
         ) if update.batching.shared_prefix else {}
         plan = rl_episodes.StepPlan(schedule, curriculum, info, config.rollout.batch_tasks, config.seed, config.train.steps)
         positions = meta.get("episodes") or [{}] * jax.process_count()  # each process's stream, where it stood
-        source = rl_episodes.of(plan, train_engine, settings.async_rollout(config, update.rl.corrects_off_policy),
-                                positions[jax.process_index()])
+        stream_settings = settings.async_rollout(config, update.rl.corrects_off_policy)
+        if agent is None:
+            source = rl_episodes.of(plan, train_engine, stream_settings, positions[jax.process_index()])
+            step_rows = step_fns.padded_rows
+        else:  # every step through the stream (max_staleness 0: each batch admitted once the update before it landed)
+            streams = agent_episodes.agent_streams(config, job, model, framing, agent)
+            stack.callback(streams.close)
+            source = rl_episodes.Asynchronous(plan, streams, stream_settings, positions[jax.process_index()])
+            episode_rows = config.rollout.batch_tasks * config.rollout.group_size * settings.rows_per_episode(config)
+            step_rows = lambda rows: step_fns.padded_rows(max(rows, episode_rows))  # noqa: E731  (one shape a step)
         stack.callback(source.close)
         step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
@@ -117,7 +135,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
-                trajectories, step_fns.padded_rows, mesh, rules, **packed)  # empty rows: rows divide over the mesh
+                trajectories, step_rows, mesh, rules, **packed)  # empty rows: rows divide over the mesh
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
                                                      *(c.params for c in critic))

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name
+from agentgym_jax.models.decoder import block_layout, hidden_states, output_head, remat_name, soft_cap
 from agentgym_jax.models.decoder import value_head as decoder_value_head
 from agentgym_jax.models.kernels import AttentionKernels
+from agentgym_jax.models.moe import Routing, load_balancing_loss
 from agentgym_jax.parallel.partition import fit_spec
 from agentgym_jax.rl.losses import entropy_from_logits
 from agentgym_jax.rollout.batch import TokenBatch
@@ -48,6 +49,9 @@ class Forward:
     logprobs_at: str = "all"  # one of LOGPROBS_AT
     kernels: AttentionKernels = AttentionKernels()  # attention implementations (`models.kernels`)
     lora_scale: float = 0.0  # LoRA adapters' alpha / rank (`models/tuning.py`); 0: no adapters
+    # A mixture of experts' load-balancing loss (`models.moe.load_balancing_loss`) added to the
+    # policy's losses with this weight; 0 (off) like the MoE RL recipes.
+    router_aux_coef: float = 0.0
     # Set by `make_step_fns` from the mesh: pins the residual stream [batch, seq, hidden] to the batch axes.
     activation_sharding: NamedSharding | None = None
 
@@ -57,40 +61,47 @@ class Forward:
             raise ValueError(f"logprob_chunk must be >= 1 (positions per vocabulary projection), got {self.logprob_chunk}")
         if self.logprobs_at not in LOGPROBS_AT:
             raise ValueError(f"logprobs_at={self.logprobs_at!r} is not one of {', '.join(LOGPROBS_AT)}")
+        if self.router_aux_coef and not self.model.moe:
+            raise ValueError(f"router_aux_coef={self.router_aux_coef} needs a mixture of experts; {self.model.family} has none")
 
 
 def score(
     params: Any, batch: TokenBatch, forward: Forward, temperature: float = 1.0, value_head: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    router_aux: bool = False,
+) -> tuple[jax.Array, ...]:
     """Log-prob, entropy and critic value of every token given the tokens before it, each
     [rows, seq] float32, of `logits / temperature` (the distribution the sampler drew from at
-    that temperature). Values: `params`' value head (`value_head`), else zeros. With
-    `logprobs_at="loss"` log-probs and entropies are 0 where `loss_mask` is not set."""
-    hidden, sources = _trunk_and_sources(params, batch, forward, forward.model)
+    that temperature; the logits soft-capped first where the family caps them). Values:
+    `params`' value head (`value_head`), else zeros. With `logprobs_at="loss"` log-probs and
+    entropies are 0 where `loss_mask` is not set. With `router_aux`, a mixture of experts'
+    load-balancing loss over the tokens computed comes fourth (a packed batch's shared tokens
+    count once)."""
+    hidden, sources, routing = _trunk_and_sources(params, batch, forward, forward.model)
     slots = _unit_rows(sources, sources)  # [units, rows per unit * seq]
     need = slots >= 0
     if forward.logprobs_at == "loss":
         need &= _unit_rows(batch.loss_mask, sources) > 0
     logp, entropy = gathered_logprobs(hidden, output_head(params, forward.model), slots, _unit_rows(batch.tokens, sources),
-                                      need, forward.logprob_chunk, temperature)
+                                      need, forward.logprob_chunk, temperature, forward.model.final_softcap)
     values = _values(params, hidden, sources) if value_head else jnp.zeros_like(logp)
     rows = batch.tokens.shape
-    return logp.reshape(rows), entropy.reshape(rows), values.reshape(rows)
+    scores = (logp.reshape(rows), entropy.reshape(rows), values.reshape(rows))
+    return (*scores, load_balancing_loss(routing, forward.model.num_experts)) if router_aux else scores
 
 
 def critic_values(critic_params: Any, batch: TokenBatch, forward: Forward, model: ModelConfig | None = None) -> jax.Array:
     """The separate critic's values `[rows, seq]`, aligned like `score`'s (entry t: the value of
     the state token t is sampled in). `model`: the critic's architecture (None: the policy's)."""
-    hidden, sources = _trunk_and_sources(critic_params, batch, forward, model or forward.model)
+    hidden, sources, _ = _trunk_and_sources(critic_params, batch, forward, model or forward.model)
     return _values(critic_params, hidden, sources).reshape(batch.tokens.shape)
 
 
 def gathered_logprobs(
     hidden: jax.Array, head: jax.Array, sources: jax.Array, targets: jax.Array, need: jax.Array, chunk: int,
-    temperature: float = 1.0,
+    temperature: float = 1.0, softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """log p(target) and the entropy at each slot whose `need` is set (0 elsewhere), each
-    [units, slots] float32, under `logits / temperature`.
+    [units, slots] float32, under `logits / temperature` (soft-capped first by `softcap`).
 
     hidden [units, width, hidden] (compute dtype), head [hidden, vocab], sources [units, slots]
     (the hidden state predicting each slot's target), targets [units, slots] int, need [units,
@@ -115,7 +126,7 @@ def gathered_logprobs(
         def project(_):
             where = jnp.take_along_axis(sources, picked, axis=1)
             h = jnp.take_along_axis(hidden, jnp.maximum(where, 0)[..., None], axis=1)  # [units, chunk, hidden]
-            logits = jnp.einsum("utd,dv->utv", h, head, preferred_element_type=jnp.float32) / temperature
+            logits = soft_cap(jnp.einsum("utd,dv->utv", h, head, preferred_element_type=jnp.float32), softcap) / temperature
             logp = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.take_along_axis(targets, picked, axis=1)[..., None],
                                        axis=-1)[..., 0]
             return jnp.where(valid, logp, 0.0), jnp.where(valid, entropy_from_logits(logits), 0.0)
@@ -141,13 +152,17 @@ def plain_sources(positions: jax.Array) -> jax.Array:
     return jnp.where((positions > 0) & (previous >= 0), previous, -1)[:, None, :]
 
 
-def _trunk_and_sources(params: Any, batch: TokenBatch, forward: Forward, model: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """The final hidden states [units, width, hidden] of the batch's layout and its sources
-    [units, rows per unit, seq] (plain rows: units of one row)."""
+def _trunk_and_sources(params: Any, batch: TokenBatch, forward: Forward,
+                       model: ModelConfig) -> tuple[jax.Array, jax.Array, Routing | None]:
+    """The final hidden states [units, width, hidden] of the batch's layout, its sources
+    [units, rows per unit, seq] (plain rows: units of one row) and the experts' routing (None:
+    a dense model)."""
     layout = batch.layout
     if layout is None:
-        return _trunk(params, batch.tokens, batch.positions, None, forward, model), plain_sources(batch.positions)
-    return _trunk(params, layout.tokens, layout.positions, layout.ends, forward, model), layout.sources
+        hidden, routing = _trunk(params, batch.tokens, batch.positions, None, forward, model)
+        return hidden, plain_sources(batch.positions), routing
+    hidden, routing = _trunk(params, layout.tokens, layout.positions, layout.ends, forward, model)
+    return hidden, layout.sources, routing
 
 
 def _unit_rows(x: jax.Array, sources: jax.Array) -> jax.Array:
@@ -163,9 +178,9 @@ def _values(params: Any, hidden: jax.Array, sources: jax.Array) -> jax.Array:
 
 
 def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, ends: jax.Array | None, config: Forward,
-           model: ModelConfig) -> jax.Array:
+           model: ModelConfig) -> tuple[jax.Array, Routing | None]:
     """`model`'s final hidden states [rows, seq, hidden] in the update's compute dtype, remat,
-    attention kernels and activation sharding."""
+    attention kernels and activation sharding, and its experts' routing (None: a dense model)."""
     dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else None
     activations = config.activation_sharding
     if activations is not None:  # a micro-batch the batch axes do not divide stays replicated
@@ -173,4 +188,4 @@ def _trunk(params: Any, tokens: jax.Array, positions: jax.Array, ends: jax.Array
         activations = NamedSharding(activations.mesh, spec)
     return hidden_states(params, tokens, positions, config=model, dtype=dtype, remat=config.remat,
                          activation_sharding=activations, kernels=config.kernels, lora_scale=config.lora_scale,
-                         ends=ends)
+                         ends=ends, return_routing=True)

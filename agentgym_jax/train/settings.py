@@ -68,11 +68,12 @@ def _hparams(algo: Mapping[str, Any], owner: str, declared: Sequence[str], regis
 
 def forward_pass(config: ml_collections.ConfigDict, model: ModelConfig) -> Forward:
     """How the trainer runs `model`: `config.model`'s compute dtype, remat, log-prob chunk, attention
-    kernels and LoRA scale."""
+    kernels, LoRA scale and a mixture of experts' load-balancing weight (`router_aux_coef`)."""
     try:
         return Forward(model, compute_dtype=config.model.compute_dtype, remat=config.model.remat,
                        logprob_chunk=config.model.logprob_chunk, logprobs_at=config.model.get("logprobs_at", "all"),
-                       kernels=job_settings.attention_kernels(config), lora_scale=job_settings.tuning(config).lora_scale)
+                       kernels=job_settings.attention_kernels(config), lora_scale=job_settings.tuning(config).lora_scale,
+                       router_aux_coef=config.model.get("router_aux_coef", 0.0))
     except ValueError as e:
         raise ConfigError(f"config.model: {e}") from e
 
@@ -141,7 +142,7 @@ def async_rollout(config: ml_collections.ConfigDict, corrects_off_policy: bool) 
         raise ConfigError(f"rollout.max_staleness must be an integer >= 0 (0: synchronous), got {k!r}")
     if stale not in rl_episodes.STALE_GROUPS:
         raise ConfigError(f"rollout.stale_groups must be one of {', '.join(rl_episodes.STALE_GROUPS)}, got {stale!r}")
-    if k and not r.num_slots:
+    if k and not r.num_slots and not config.env.get("agent", ""):  # an agent's episodes stream through the gateway
         raise ConfigError("rollout.max_staleness > 0 streams episodes through continuous batching: set rollout.num_slots > 0")
     if k and not corrects_off_policy:
         raise ConfigError("rollout.max_staleness > 0 samples with older weights than the update's: set "
@@ -207,13 +208,24 @@ def check_curriculum(plan: Curriculum, train_ids: Sequence[int], metadata: Mappi
         raise ConfigError(str(e)) from e
 
 
+def rows_per_episode(config: ml_collections.ConfigDict) -> int:
+    """Training rows an episode may bring: `env.agent_conversations` for an agent program's, else one."""
+    if not config.env.get("agent", ""):
+        return 1
+    n = config.env.get("agent_conversations", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"env.agent_conversations must be an integer >= 1, got {n!r}")
+    return n
+
+
 def check_step_rows(config: ml_collections.ConfigDict, update: UpdateConfig, padded_rows: Callable[[int], int]) -> None:
     """Refuses, when the job opens, a step's batch (`rollout.batch_tasks x rollout.group_size`
-    rows, padded over the mesh; with `algo.shared_prefix`, its `rollout.batch_tasks` groups) that
-    the update cannot cut into its mini- and micro-batches, which the first update would
-    otherwise find after SFT and the first rollout."""
+    rows of `rows_per_episode` each, padded over the mesh; with `algo.shared_prefix`, its
+    `rollout.batch_tasks` groups) that the update cannot cut into its mini- and micro-batches,
+    which the first update would otherwise find after SFT and the first rollout."""
     groups = config.rollout.batch_tasks
-    rows = padded_rows(groups if update.batching.shared_prefix else groups * config.rollout.group_size)
+    per_group = config.rollout.group_size * rows_per_episode(config)
+    rows = padded_rows(groups if update.batching.shared_prefix else groups * per_group)
     try:
         check_microbatches(rows, update)
     except ValueError as e:

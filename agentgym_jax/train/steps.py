@@ -359,7 +359,8 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
     Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
     sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl = config.rl
-    logprobs, entropy, values = score(params, batch, config.forward, rl.temperature, rl.shared_value_head)
+    logprobs, entropy, values, *router = score(params, batch, config.forward, rl.temperature, rl.shared_value_head,
+                                               _router_aux(config))
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
     if not config.scores_rollouts:
@@ -378,6 +379,7 @@ def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Arra
         kl = kl_loss(logprobs, batch.ref_logprobs, mask, estimator=rl.kl_estimator, **agg)
         loss = loss + rl.kl_coef * kl
         metrics["kl"] = kl
+    loss, metrics = _with_router_aux(loss, metrics, router, config)
     if rl.shared_value_head:
         v_loss, v_metrics = value_loss(values, batch.old_values, batch.returns, mask, **agg, clip_eps_value=rl.clip_eps_value)
         loss = loss + rl.vf_coef * v_loss
@@ -398,9 +400,21 @@ def critic_loss(critic_params: Any, batch: RLBatch, config: UpdateConfig) -> tup
 def sft_loss(params: Any, batch: TokenBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """Behaviour cloning: negative log-likelihood of the policy tokens (same masks as RL), of the
     model's own distribution (temperature 1)."""
-    logprobs, _, _ = score(params, batch, config.forward)
-    loss = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
-    return loss, {"loss": loss, "nll": loss}
+    logprobs, _, _, *router = score(params, batch, config.forward, router_aux=_router_aux(config))
+    nll = aggregate_loss(-logprobs, batch.loss_mask, config.batching.agg_mode, config.batching.loss_norm_length)
+    loss, metrics = _with_router_aux(nll, {"nll": nll}, router, config)
+    return loss, {**metrics, "loss": loss}
+
+
+def _router_aux(config: UpdateConfig) -> bool:
+    return config.forward.router_aux_coef > 0
+
+
+def _with_router_aux(loss: jax.Array, metrics: Metrics, router: list, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
+    """`loss` plus the weighted load-balancing loss where the update asks for it (`Forward.router_aux_coef`)."""
+    if not router:
+        return loss, metrics
+    return loss + config.forward.router_aux_coef * router[0], {**metrics, "router_aux_loss": router[0]}
 
 
 @flax.struct.dataclass
@@ -412,7 +426,7 @@ class DPOBatch:
     chosen_ref_logprobs: jax.Array  # [pairs, seq] frozen reference
     rejected_ref_logprobs: jax.Array  # [pairs, seq]
     layout: PackedRows | None = None  # each pair's two rows (chosen, rejected) packed as one prefix tree
-    rows_are_units = False  # `microbatch.to_units`: every leaf is per pair already
+    rows_are_units = True  # a class attribute, not a field: every leaf is per pair already (`microbatch.to_units`)
 
     # What the micro-batched update reads of a batch, per pair: the tokens a pair trains (the
     # chosen row's, where both rows have one: `rl.dpo.dpo_loss`'s valid pairs) and its length.
@@ -428,9 +442,6 @@ class DPOBatch:
     @property
     def tokens(self) -> jax.Array:
         return self.chosen.tokens
-
-
-DPOBatch.rows_are_units = True
 
 
 def pair_logprobs(params: Any, chosen: TokenBatch, rejected: TokenBatch, forward: Forward,
