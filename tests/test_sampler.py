@@ -125,6 +125,9 @@ def test_buckets():
     assert buckets.powers_of_two(16, 100) == (16, 32, 64, 100)
     assert buckets.powers_of_two(1, 40, threes=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
     assert buckets.powers_of_two(128, 1280, threes=True) == (128, 192, 256, 384, 512, 768, 1024, 1280)
+    for low, high in [(1, 1024), (16, 4096), (128, 2048), (3, 100), (128, 128)]:  # at most twice the shapes
+        plain, threes = buckets.powers_of_two(low, high), buckets.powers_of_two(low, high, threes=True)
+        assert set(plain) <= set(threes) and len(threes) <= 2 * len(plain) - 1
     assert buckets.bucket(17, (16, 32, 64)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
         buckets.bucket(65, (16, 32, 64), "chunk length")
