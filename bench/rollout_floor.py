@@ -3,6 +3,7 @@
     taskset -c 0 python bench/rollout_floor.py                     # configs/textcraft_smollm.py, step 0
     taskset -c 0 python bench/rollout_floor.py --step=3 --decode_chunk=8
     taskset -c 0 python bench/rollout_floor.py --num_slots=24     # the slot engine instead
+    taskset -c 0 python bench/rollout_floor.py --horizon=3        # a shorter run: 3 turns per episode
     taskset -c 0 python bench/rollout_floor.py --params_from=runs/tc/checkpoints   # a run's SFT'd policy
 
 The rollout: the recipe's tasks and horizon of RL step `--step` (`rl_episodes.StepPlan`), its
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=0, help="the RL step whose tasks and horizon are played")
     parser.add_argument("--num_slots", type=int, default=None, help="rollout.num_slots (default: the recipe's)")
     parser.add_argument("--decode_chunk", type=int, default=None, help="rollout.decode_chunk (default: the recipe's)")
+    parser.add_argument("--horizon", type=int, default=None, help="turns per episode (default: the step's; fewer: a shorter run)")
     parser.add_argument("--params_from", default="", help="a run's checkpoint folder: its step-0 policy (after SFT)")
     args = parser.parse_args()
 
@@ -232,7 +234,7 @@ def main() -> None:
         plan = rl_episodes.StepPlan(settings.horizon_schedule(config.horizon_schedule), settings.curriculum(config.curriculum),
                                     job.info, config.rollout.batch_tasks, config.seed, config.train.steps)
         tasks, _, _ = plan.tasks(args.step)
-        horizon = plan.schedule.horizon(args.step)
+        horizon = args.horizon or plan.schedule.horizon(args.step)
         rollout = job_settings.rollout(config)
         with setup.make_engine(config, job, model, framing, rollout) as engine:
             policy = setup.local_policy(config, job, params, False)
