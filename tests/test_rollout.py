@@ -282,8 +282,8 @@ def test_a_bounded_pool_plays_in_waves_with_the_same_trajectories(framing, model
 def test_a_group_member_admitted_later_copies_the_prompt(framing, model, sampler, maze_url, task_info):
     """One task x 3 episodes over 2 slots, turns forced to 1, 8 and 2 tokens: the third episode is
     admitted when the first ends, while the second still holds its row, and copies the prompt out
-    of that row instead of prefilling it again (the slot engine prefills the prompt once); every
-    trajectory is the turn-batched engine's, token for token."""
+    of that row instead of prefilling it again (the slot engine prefills the prompt once, as the
+    turn-batched engine does); every trajectory is the turn-batched engine's, token for token."""
     lengths = {0: 1, 1: MAX_NEW, 2: 2}
     base = RolloutConfig(group_size=3, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
     runs = {}
@@ -297,9 +297,52 @@ def test_a_group_member_admitted_later_copies_the_prompt(framing, model, sampler
         assert a.status == b.status and a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     assert [t.num_turns for t in runs["slots"]] == [3, 3, 3]
-    one_prefill = 4 * 256  # the fixture's 4-row bucket x the prompt's chunk bucket
-    assert runs["turns_stats"].prompt_tokens_computed == one_prefill  # 3 rows in one batch
-    assert runs["slots_stats"].prompt_tokens_computed == one_prefill  # 1 row, the others copied
+    one_prefill = 256  # one row x the prompt's chunk bucket
+    assert runs["turns_stats"].prompt_tokens_computed == one_prefill  # 1 row of the batch, the others copied
+    assert runs["slots_stats"].prompt_tokens_computed == one_prefill  # 1 row, the others copied later
+
+
+def test_shared_prompts_and_shrinking_batches_keep_the_trajectories(framing, model, sampler, maze_url, task_info):
+    """2 tasks x 2 episodes at temperature 1, turns forced to 1 and 8 tokens (by sample) under a
+    token budget (the long-turn episodes end first), turns in calls of 4 decode steps. The shared
+    sampler, whose appends and decodes drop the rows that do not take part (into buckets of 1 and
+    2 rows), plays the same trajectories token for token as one that runs all 4 rows of its batch
+    every time, for less work: each task's prompt computed once (2 rows, not 4), fewer decode
+    row-steps and appended tokens. Every sampled token's log-prob is what one forward pass over
+    the whole trajectory gives (each row's cache, copied prompt included, holds its own tokens)."""
+    config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, max_response_length=240, straggler_wait_s=None,
+                           decode_chunk=4)
+    lengths = {0: 1, 1: MAX_NEW}
+    samplers = {
+        "all rows": Sampler.for_decoder(model[0], config.sampling_config(framing), max_cache_len=2048, batch_buckets=(4,),
+                                        chunk_buckets=(128, 256), cache_buckets=(2048,), fill_buckets=(4,), decode_buckets=(4,)),
+        "rows taking part": sampler,
+    }
+    runs, stats = {}, {}
+    for name, s in samplers.items():
+        with RolloutEngine(s, framing, EnvPool(maze_url), task_info, config,
+                           turn_lengths=lambda task, sample, turn: lengths[sample]) as engine:
+            runs[name] = engine.run(model[1], [2, 5], 6, jax.random.key(4), policy_version=0)
+            stats[name] = engine.last_stats
+    assert len({t.num_turns for t in runs["all rows"]}) > 1  # episodes ended at different turns
+    for a, b in zip(runs["all rows"], runs["rows taking part"], strict=True):
+        assert a.status == b.status and a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    batch = make_token_batch(runs["rows taking part"])
+    logits, _ = decoder.forward(model[1], batch.tokens, batch.positions, config=model[0])
+    logits = np.asarray(logits, np.float64)
+    eot = list(framing.end_of_turn_ids)
+    logits[..., eot] = -np.inf  # masked before a forced turn's end, the only choice at it (log-prob 0)
+    for row, t in enumerate(runs["rows taking part"]):
+        for i in np.flatnonzero(t.loss_mask):
+            token, z = t.token_ids[i], logits[row, i - 1]
+            want = 0.0 if token in eot else z[token] - np.logaddexp.reduce(z)
+            np.testing.assert_allclose(t.logprobs[i], want, atol=1e-5)
+    plain, shrunk = stats["all rows"], stats["rows taking part"]
+    assert shrunk.prompt_tokens_computed == 2 * 256 < plain.prompt_tokens_computed  # 2 prompts of ~200 ids, 256 bucket
+    assert shrunk.decode_live_steps == plain.decode_live_steps == sum(sum(t.loss_mask) for t in runs["all rows"])
+    assert shrunk.decode_row_steps < plain.decode_row_steps
+    assert shrunk.observation_tokens_computed < plain.observation_tokens_computed
 
 
 def test_token_budget(framing, model, sampler, maze_url, task_info):

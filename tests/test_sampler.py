@@ -123,6 +123,11 @@ def numpy_sampling_logprobs(logits: np.ndarray, config: SamplingConfig) -> np.nd
 
 def test_buckets():
     assert buckets.powers_of_two(16, 100) == (16, 32, 64, 100)
+    assert buckets.powers_of_two(1, 40, threes=True) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
+    assert buckets.powers_of_two(128, 1280, threes=True) == (128, 192, 256, 384, 512, 768, 1024, 1280)
+    for low, high in [(1, 1024), (16, 4096), (128, 2048), (3, 100), (128, 128)]:  # at most twice the shapes
+        plain, threes = buckets.powers_of_two(low, high), buckets.powers_of_two(low, high, threes=True)
+        assert set(plain) <= set(threes) and len(threes) <= 2 * len(plain) - 1
     assert buckets.bucket(17, (16, 32, 64)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
         buckets.bucket(65, (16, 32, 64), "chunk length")
@@ -163,6 +168,22 @@ def test_logprobs_equal_numpy_filtered_distribution():
             scaled = reference[step] / config.temperature  # unfiltered, at the sampling temperature
             raw = scaled - np.logaddexp.reduce(scaled)
             np.testing.assert_allclose(turn.raw_logprobs[row, step], raw[token], atol=2e-5)
+
+
+def test_a_repeated_prompt_is_computed_once():
+    """Six rows, two distinct prompts (a task's group repeats its prompt): prefill computes 2 rows
+    of the 16-token chunk bucket, not 8, and every row's next-token logits are its prompt's
+    (float64 NumPy, no cache); a row's slots past its own prompt are empty."""
+    params = toy_params(3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3], [1, 2, 3]]
+    sampler = toy_sampler(SamplingConfig(max_new_tokens=4))
+    state = sampler.prefill(params, prompts)
+    assert sampler.work.prompt_tokens_computed == 2 * 16
+    assert state.logits.shape[0] == 6  # 6 rows are one batch bucket (2^k and 3 * 2^k)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(state.logits)[row], numpy_toy_logits(params, prompt)[-1], rtol=1e-5, atol=1e-5)
+        assert int(state.cache.index[row]) == len(prompt)
+        np.testing.assert_array_equal(np.asarray(state.cache.positions)[row, : len(prompt) + 1], [*range(len(prompt)), -1])
 
 
 def fixed_forward(params, tokens, positions, cache: KVCache):
@@ -383,7 +404,7 @@ def test_bad_input_is_refused():
     params = toy_params()
     with pytest.raises(ValueError, match="no empty prompt"):
         sampler.prefill(params, [[1], []])
-    with pytest.raises(ValueError, match="chunk length 65 exceeds"):
+    with pytest.raises(ValueError, match="prompt length 65 exceeds max_cache_len=64"):
         sampler.prefill(params, [[1] * 65])
     state = sampler.prefill(params, [[1], [2]])
     with pytest.raises(ValueError, match="expected 2 chunks"):
@@ -483,29 +504,33 @@ def test_decoder_continuation_equals_one_full_forward(qwen2, turn_sampler):
 
 
 def test_ten_turns_after_warm_up_compile_nothing(qwen2, turn_sampler):
-    """Warm-up: one 10-turn rollout. Then a new batch size, prompt and chunk lengths (same buckets)."""
+    """Warm-up: a 10-turn rollout of 6 episodes, 2 of which end after turn 5 (their rows then drop
+    out of the appends and decodes). Then 5 episodes, 1 ending there: a new batch size, new prompt
+    and chunk lengths and turn limits in the same buckets of rows, chunks and cache slots (row 0,
+    the longest, grows the same way in both): nothing compiles."""
     _, config, params = qwen2
     sampler = turn_sampler
 
-    def rollout(num_rows: int, seed: int) -> None:
+    def rollout(num_rows: int, ending: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        prompts = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+        tokens = lambda n: rng.integers(0, config.vocab_size, n).tolist()  # noqa: E731
+        prompts = [tokens(16)] + [tokens(rng.integers(1, 17)) for _ in range(num_rows - 1)]
         state = sampler.prefill(params, prompts)
         live = np.ones(num_rows, bool)
         for turn_index in range(10):
             limit = rng.integers(1, 9, num_rows)
-            limit[0] = 8  # row 0 always runs the full turn: the cache grows the same way each rollout
+            limit[0] = 8
             state, turn = sampler.generate(params, state, jax.random.key(turn_index), limit=limit.tolist())
             np.testing.assert_array_equal(turn.count, np.where(live, limit, 0))
             if turn_index == 4:
-                live[-1] = False  # an episode ends early
-            chunks = [rng.integers(0, config.vocab_size, rng.integers(1, 17)).tolist() for _ in range(num_rows)]
+                live[num_rows - ending :] = False  # episodes end early
+            chunks = [tokens(16)] + [tokens(rng.integers(1, 17)) for _ in range(num_rows - 1)]
             state, overflow = sampler.append(params, state, chunks, live.tolist())
             assert not overflow.any()
 
-    rollout(4, seed=0)
+    rollout(6, 2, seed=0)
     with count_compilations() as compiled:
-        rollout(3, seed=1)
+        rollout(5, 1, seed=1)
     assert compiled == []
 
 

@@ -89,7 +89,9 @@ class RolloutConfig:
     prompt_style: PromptStyle = PromptStyle.SHORT
     straggler_wait_s: float | None = 0.05  # None: every sampler call waits for all observations
     num_slots: int = 0  # > 0: continuous batching over this many sampler rows (`_SlotRollout`); 0: turn-batched
-    decode_chunk: int = 16  # slots: decode steps between admissions / observation appends
+    # decode steps per sampler call; between calls the batch drops the rows whose turn ended (turn-batched)
+    # or admits episodes and appends arrived observations (slots)
+    decode_chunk: int = 16
     tool_calls: bool = False  # function calling: tools in the prompt, replies read as calls, results as tool messages
     # A mixture of experts: keep each policy token's experts (layers x k ids) in its trajectory
     # (`Trajectory.experts`), for the trainer's `routing_mismatch`; off: they are large at real sizes.
@@ -147,6 +149,7 @@ class RolloutStats:
     decode_row_steps: int = 0  # rows x steps the decode loops computed (the batch bucket's rows)
     decode_live_steps: int = 0  # of those, row-steps that sampled a token
     prompt_tokens_computed: int = 0  # rows x chunk width the prompt prefills ran (padding included)
+    observation_tokens_computed: int = 0  # rows x chunk width the appends after the prompts ran (padding included)
     prompt_tokens: int = 0  # real prompt tokens of all episodes
     cache_slots: int = 0  # KV cache slots the episodes' rows spanned when they ended, all together
 
@@ -415,7 +418,7 @@ class _Rollout:
         return RolloutStats(
             time.monotonic() - self.start, self.busy_s, self.wait_s, self.calls, self.turns,
             decode_row_steps=work.decode_row_steps, decode_live_steps=work.decode_live_steps,
-            prompt_tokens_computed=work.prompt_tokens_computed,
+            prompt_tokens_computed=work.prompt_tokens_computed, observation_tokens_computed=work.observation_tokens_computed,
             prompt_tokens=sum(ep.transcript.prompt_len for ep in self.episodes if ep.transcript),
             cache_slots=self.cache_slots,
         )
@@ -593,7 +596,8 @@ class _Rollout:
         turn = None
         if not overflow[in_call].all():  # rows that overflowed are no longer live
             forced = self.engine.forced_lengths(self.episodes)
-            state, turn = self.sampler.generate(self.params, state, self.rng, limit=limits, seeds=seeds, forced=forced)
+            state, turn = self.sampler.generate(self.params, state, self.rng, limit=limits, seeds=seeds, forced=forced,
+                                                chunk=self.config.decode_chunk)
         self.state = state
         return overflow, turn
 

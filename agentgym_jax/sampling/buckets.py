@@ -1,8 +1,9 @@
 """Shape buckets: pad batch, chunk and cache lengths up to a few fixed sizes.
 
 Every distinct input shape costs one XLA compilation. Rounding sizes up to a short, fixed list
-(powers of two by default) bounds the number of compilations, so after warm-up a new batch size,
-prompt length or turn length inside a known bucket compiles nothing new.
+(powers of two, or with `threes` also 3 * 2^k between them) bounds the number of compilations, so
+after warm-up a new batch size, prompt length or turn length inside a known bucket compiles nothing
+new.
 """
 
 from __future__ import annotations
@@ -10,14 +11,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def powers_of_two(minimum: int, maximum: int) -> tuple[int, ...]:
-    """(minimum, 2*minimum, ...) below `maximum`, then `maximum` itself (the hard cap)."""
+def powers_of_two(minimum: int, maximum: int, *, threes: bool = False) -> tuple[int, ...]:
+    """(minimum, 2*minimum, ...) below `maximum`, then `maximum` itself (the hard cap).
+
+    `threes`: also 1.5x each size where that is a whole number (1, 2, 3, 4, 6, 8, 12, ...), so a
+    size is padded by at most a third instead of a half (24 episodes run as 24 rows, not 32), for
+    twice the shapes to compile.
+    """
     if not 1 <= minimum <= maximum:
         raise ValueError(f"need 1 <= minimum <= maximum, got minimum={minimum}, maximum={maximum}")
     sizes = []
     size = minimum
     while size < maximum:
         sizes.append(size)
+        if threes and size % 2 == 0 and size * 3 // 2 < maximum:
+            sizes.append(size * 3 // 2)
         size *= 2
     return (*sizes, maximum)
 

@@ -108,6 +108,7 @@ class SamplerWork:
     decode_row_steps: int = 0  # rows x steps the decode loops ran (every row of the batch bucket)
     decode_live_steps: int = 0  # of those, row-steps that sampled a token
     prompt_tokens_computed: int = 0  # rows x chunk width of prompt prefills (padding included)
+    observation_tokens_computed: int = 0  # rows x chunk width of the appends after them (padding included)
 
     def add_decode(self, batch: int, sampled: np.ndarray) -> None:
         """One decode call over `batch` rows in which row b sampled `sampled[b]` tokens."""
@@ -484,7 +485,8 @@ class Sampler:
     decoder's `forward` signature); `init_cache_fn(batch, max_len)` makes an empty cache;
     `loop_params_fn` (optional) maps the params, once per turn, to the form the decode loop's
     steps read (`for_decoder`: `decoder.unstack_layers`). Batch sizes, chunk lengths
-    and cache lengths are rounded up to buckets (default: powers of two), so only a new bucket
+    and cache lengths are rounded up to buckets (default: 2^k and 3 * 2^k; calls over some rows
+    only, `fill_buckets` and `decode_buckets`: powers of two), so only a new bucket
     compiles. The cache grows through `cache_buckets` up to `max_cache_len`; what does not fit
     is reported (append: `overflow` rows; generate: StopReason.CACHE_FULL), never wrapped.
     Growing frees the smaller cache at once (XLA cannot alias buffers of different shapes, so the
@@ -516,20 +518,22 @@ class Sampler:
         self.max_cache_len = max_cache_len
         row_shards = shardings.row_shards if shardings else 1
         self.batch_buckets = buckets.check_buckets(
-            "batch_buckets", batch_buckets or tuple(row_shards * 2**i for i in range(11))
+            "batch_buckets", batch_buckets or tuple(row_shards * b for b in buckets.powers_of_two(1, 1024, threes=True))
         )
+        # Calls over some rows only (fills, decodes of the rows in a turn) take fewer sizes: each is a compilation.
+        some_rows = tuple(row_shards * b for b in buckets.powers_of_two(1, 1024))
         if any(b % row_shards for b in self.batch_buckets):
             raise ValueError(f"batch_buckets {self.batch_buckets} must be multiples of the {row_shards} row shards")
         self.chunk_buckets = buckets.check_buckets(
-            "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len)
+            "chunk_buckets", chunk_buckets or buckets.powers_of_two(16, max_cache_len, threes=True)
         )
         self.cache_buckets = buckets.check_buckets(
-            "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len)
+            "cache_buckets", cache_buckets or buckets.powers_of_two(min(128, max_cache_len), max_cache_len, threes=True)
         )
-        self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or self.batch_buckets)
+        self.fill_buckets = buckets.check_buckets("fill_buckets", fill_buckets or some_rows)
         if any(b % row_shards for b in self.fill_buckets):
             raise ValueError(f"fill_buckets {self.fill_buckets} must be multiples of the {row_shards} row shards")
-        self.decode_buckets = buckets.check_buckets("decode_buckets", decode_buckets or self.batch_buckets)
+        self.decode_buckets = buckets.check_buckets("decode_buckets", decode_buckets or some_rows)
         if any(b % row_shards for b in self.decode_buckets):
             raise ValueError(f"decode_buckets {self.decode_buckets} must be multiples of the {row_shards} row shards")
         if self.cache_buckets[-1] != max_cache_len:
@@ -683,20 +687,35 @@ class Sampler:
         return tokens, lengths
 
     def prefill(self, params: Params, prompts: Sequence[Sequence[int]]) -> SamplerState:
-        """A fresh state with every prompt in the cache; all rows live."""
+        """A fresh state with every prompt in the cache; all rows live.
+
+        Each distinct prompt is computed once, in the first row that has it (those rows filled
+        in one call, padded to the longest: one shape per count of distinct prompts, not per
+        split of their lengths); the rows that repeat it (a task's group) copy its slots and
+        next-token logits (`copy_prefix`). The same cache as prefilling every row, for one
+        computation of a group's prompt instead of one per row.
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt and no empty prompt")
+        longest = max(len(p) for p in prompts)
+        if longest > self.max_cache_len:
+            raise ValueError(f"prompt length {longest} exceeds max_cache_len={self.max_cache_len}")
         num_rows = len(prompts)
         batch = buckets.bucket(num_rows, self.batch_buckets, "batch size")
-        live = np.arange(batch) < num_rows
-        tokens, lengths = self._pad_chunks(prompts, live, batch)
-        if lengths.max() > self.max_cache_len:
-            raise ValueError(f"prompt length {lengths.max()} exceeds max_cache_len={self.max_cache_len}")
-        cache = self._init_cache(batch, self._cache_bucket(int(lengths.max())))
+        cache = self._init_cache(batch, self._cache_bucket(longest))
         logits = np.zeros((batch, self._vocab(params, cache)), np.float32)
-        cache, logits = self._append(params, cache, logits, tokens, lengths)
-        self.work.prompt_tokens_computed += tokens.size
-        return SamplerState(cache=cache, logits=logits, live=jnp.asarray(live), num_rows=num_rows)
+        state = SamplerState(cache=cache, logits=logits, live=jnp.asarray(np.arange(batch) < num_rows), num_rows=num_rows)
+        first: dict[tuple[int, ...], int] = {}  # prompt -> the row that computes it
+        for row, prompt in enumerate(prompts):
+            first.setdefault(tuple(prompt), row)
+        rows = list(first.values())
+        state = self._fill_together(params, state, rows, list(first), [True] * len(rows), np.zeros((batch,), np.int64))
+        copies = [(first[tuple(p)], row) for row, p in enumerate(prompts) if first[tuple(p)] != row]
+        if copies:
+            src, dst = (list(x) for x in zip(*copies))
+            lengths = [len(prompts[row]) for row in dst]
+            state = self.copy_prefix(state, src, dst, lengths, self.row_logits(state, src))
+        return state
 
     def append(
         self,
@@ -727,9 +746,15 @@ class Sampler:
         live_rows &= ~overflow
         tokens, lengths = self._pad_chunks(chunks, live_rows, batch)
         state = state.replace(live=jnp.asarray(live_rows))
-        if lengths.any():
-            cache = self._ensure_capacity(state.cache, int((index + lengths).max()))
-            cache, logits = self._append(params, cache, state.logits, tokens, lengths)
+        rows = np.flatnonzero(lengths)
+        if len(rows) == 0:
+            return state, overflow[: state.num_rows]
+        state = state.replace(cache=self._ensure_capacity(state.cache, int((index + lengths).max())))
+        if len(rows) <= self.fill_buckets[-1] and buckets.bucket(len(rows), self.fill_buckets) < batch:  # fewer rows
+            state = self._fill_together(params, state, rows.tolist(), [chunks[r] for r in rows], [False] * len(rows), index)
+        else:
+            cache, logits = self._append(params, state.cache, state.logits, tokens, lengths)
+            self.work.observation_tokens_computed += tokens.size
             state = state.replace(cache=cache, logits=logits)
         return state, overflow[: state.num_rows]
 
@@ -742,11 +767,15 @@ class Sampler:
         *,
         seeds: np.ndarray | None = None,
         forced: Sequence[int] | None = None,
+        chunk: int | None = None,
     ) -> tuple[SamplerState, TurnOutput]:
         """Samples one turn for every live row; `limit [rows]` optionally lowers max_new_tokens per row.
 
         `seeds [rows, 2]` (default: (row, 0)) name each row's draws (see `Turn`); `forced [rows]`
         (benchmarks) sets each row's turn length: end-of-turn masked before it, forced at it.
+        The turn runs in calls of at most `chunk` decode steps (default: the whole turn), each over
+        the rows still sampling (`decode_chunk`): rows that are not live, and rows whose turn
+        ended in an earlier call, drop out of the batch where that makes it a smaller bucket.
         """
         width = self.config.max_new_tokens
         batch, rows = state.live.shape[0], state.num_rows
@@ -762,21 +791,33 @@ class Sampler:
         if forced is not None:
             row_forced[:rows] = forced
         turn = Turn.start(np.asarray(state.live), row_limit, row_forced, row_seeds)
-        cache = self._ensure_capacity(state.cache, int(np.asarray(state.cache.index).max()) + width)
-        cache, logits, turn, arrays = self._decode(width, forced is not None, params, cache, state.logits, turn, rng)
-        tokens, logprobs, raw_logprobs, experts = (None if a is None else np.asarray(a)[:rows] for a in arrays)
-        stop, count = np.asarray(turn.stop), np.asarray(turn.count)
-        self.work.add_decode(batch, count)
+        index = np.asarray(state.cache.index)
+        state = state.replace(cache=self._ensure_capacity(state.cache, int(index.max()) + width))
+        steps = min(chunk or width, width)
+        tokens = np.full((batch, width), self.config.pad_id, np.int32)
+        logprobs, raw_logprobs = np.zeros((batch, width), np.float32), np.zeros((batch, width), np.float32)
+        experts = None
+        while turn.active.any():
+            before = turn.count
+            state, turn, (*arrays, chunk_experts, index) = self.decode_chunk(params, state, turn, rng, steps, index)
+            if chunk_experts is not None and experts is None:
+                experts = np.full((batch, width, *chunk_experts.shape[2:]), -1, np.int32)
+            took = np.arange(steps)[None, :] < (turn.count - before)[:, None]  # [batch, steps]
+            row, column = np.nonzero(took)
+            for out, a in zip((tokens, logprobs, raw_logprobs, experts), (*arrays, chunk_experts)):
+                if out is not None:
+                    out[row, before[row] + column] = a[row, column]
+        stop, count = turn.stop, turn.count
         out = TurnOutput(
-            tokens=tokens,
+            tokens=tokens[:rows],
             count=count[:rows],
-            logprobs=logprobs,
-            raw_logprobs=raw_logprobs if self.config.return_raw_logprobs else None,
+            logprobs=logprobs[:rows],
+            raw_logprobs=raw_logprobs[:rows] if self.config.return_raw_logprobs else None,
             stop=stop[:rows],
-            experts=experts,
+            experts=None if experts is None else experts[:rows],
         )
         live = jnp.asarray(np.asarray(state.live) & (stop != StopReason.CACHE_FULL))
-        return state.replace(cache=cache, logits=logits, live=live), out
+        return state.replace(live=live), out
 
     # Slots (continuous batching, `RolloutConfig.num_slots`): a fixed batch of rows, allocated
     # once at max_cache_len, that episodes take turns in. Rows are filled and copied
@@ -806,13 +847,20 @@ class Sampler:
         for i, chunk in enumerate(chunks):
             width = buckets.bucket(max(len(chunk), 1), self.chunk_buckets, "chunk length")
             groups.setdefault((width, self._cache_bucket(int(kept[i]) + len(chunk))), []).append(i)
-        step = self.fill_buckets[-1]
         for members in groups.values():
-            for start in range(0, len(members), step):
-                part = members[start : start + step]
-                state = self._fill_part(
-                    params, state, [rows[i] for i in part], [chunks[i] for i in part], [fresh[i] for i in part], index
-                )
+            state = self._fill_together(
+                params, state, [rows[i] for i in members], [chunks[i] for i in members], [fresh[i] for i in members], index
+            )
+        return state
+
+    def _fill_together(self, params, state, rows, chunks, fresh, index) -> SamplerState:
+        """`fill` without grouping: the rows in calls of at most `fill_buckets[-1]`, each padded to
+        its longest chunk and slots (one shape per count of rows, where grouping by length would
+        compile one per split of the lengths)."""
+        step = self.fill_buckets[-1]
+        for start in range(0, len(rows), step):
+            part = slice(start, start + step)
+            state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
         return state
 
     def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
@@ -828,6 +876,8 @@ class Sampler:
         cache, logits = self._fill(slots, params, state.cache, state.logits, row_ids, row_fresh, tokens, lengths)
         if all(fresh):
             self.work.prompt_tokens_computed += tokens.size
+        else:
+            self.work.observation_tokens_computed += tokens.size
         return state.replace(cache=cache, logits=logits)
 
     def row_logits(self, state: SamplerState, rows: Sequence[int]) -> np.ndarray:
@@ -859,23 +909,28 @@ class Sampler:
         Runs over the active rows only, gathered into a batch of `decode_buckets` rows, and over
         their first slots up to the longest one's tokens (`index [batch]`: each row's tokens) plus
         `steps`, bucketed: rows between turns (waiting on their environment) or free cost
-        nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Returns
-        the state, the turn (host) and the chunk's (tokens, logprobs, raw_logprobs) [batch, steps]
-        (inactive rows: pad_id / 0), with `return_experts` a mixture of experts' routing of each
-        sampled token (experts [batch, steps, layers, k], -1 where none; else, or for a dense model,
-        None) and every row's index.
+        nothing, and the steps attend over what the rows hold, not over `max_cache_len`. Where
+        that is every row and every slot of the cache, the batch decodes in place (nothing to
+        gather). Returns the state, the turn (host) and the chunk's (tokens, logprobs, raw_logprobs)
+        [batch, steps] (inactive rows: pad_id / 0), with `return_experts` a mixture of experts'
+        routing of each sampled token (experts [batch, steps, layers, k], -1 where none; else, or
+        for a dense model, None) and every row's index.
         """
         batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
-        k = buckets.bucket(len(active), self.decode_buckets, "rows to decode")
-        rows = np.full((k,), batch, np.int32)  # out of range: padding
-        rows[: len(active)] = active
+        k = buckets.bucket(len(active), self.decode_buckets) if len(active) <= self.decode_buckets[-1] else batch
         slots = self._cache_bucket(int(index[active].max()) + steps)
         count = turn.count
         forcing = bool(np.any(turn.forced[active]))
-        cache, logits, turn, arrays = self._decode_rows(
-            steps, forcing, slots, params, state.cache, state.logits, turn, rng, rows
-        )
+        if k >= batch and slots >= state.cache.max_len:
+            k, active = batch, np.arange(batch)
+            cache, logits, turn, arrays = self._decode(steps, forcing, params, state.cache, state.logits, turn, rng)
+        else:
+            rows = np.full((k,), batch, np.int32)  # out of range: padding
+            rows[: len(active)] = active
+            cache, logits, turn, arrays = self._decode_rows(
+                steps, forcing, slots, params, state.cache, state.logits, turn, rng, rows
+            )
         turn = Turn(*(np.array(x) for x in turn))  # writable: the caller starts turns in it
         self.work.add_decode(k, turn.count - count)
         out = []
