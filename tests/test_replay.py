@@ -127,9 +127,9 @@ def sampler(framing) -> tuple[Sampler, ModelConfig, object]:
 
 def test_slot_engine_prefills_a_replayed_prompt_once_and_the_group_packs_it_once(framing, sampler):
     """2 episodes of a task replaying 3 oracle moves, sampled at temperature 1 by a random decoder:
-    the slot engine gives the turn-batched engine's trajectories token for token, with one prefill
-    of the replayed prompt (the second episode copies it), as the turn-batched engine prefills both
-    rows in one call; the group's two rows, packed as a prefix tree, share the whole replayed prompt."""
+    the slot engine gives the turn-batched engine's trajectories token for token, both with one
+    prefill of the replayed prompt (the second episode copies it); the group's two rows, packed as a
+    prefix tree, share the whole replayed prompt and score as the plain rows do."""
     sampler, model, params = sampler
     task, action_format, _, _ = ENVS["room"]
     base = RolloutConfig(group_size=2, max_tokens_per_turn=8, straggler_wait_s=0.0)
@@ -147,7 +147,7 @@ def test_slot_engine_prefills_a_replayed_prompt_once_and_the_group_packs_it_once
         assert a.replay_turns == b.replay_turns == 3 and a.turn_spans[0][0] == prefix
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.status == b.status
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    one_prefill = 4 * 256  # the 4-row bucket x the replayed prompt's chunk bucket
+    one_prefill = 256  # one row x the replayed prompt's chunk bucket, the other row copied
     assert runs["slots_stats"].prompt_tokens_computed == runs["turns_stats"].prompt_tokens_computed == one_prefill
     assert runs["slots_stats"].prompt_tokens == 2 * prefix
     rows = [np.asarray(t.token_ids) for t in runs["turns"]]
