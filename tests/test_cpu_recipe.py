@@ -18,13 +18,13 @@ from environments.textarena import games
 from environments.textarena.env import TEST_EVERY
 from tests.rl_runs import run_rl_job
 
-STEPS = 6
+STEPS = 3
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # ~3.5 min on an idle 2-core machine
+@pytest.mark.timeout(1500)  # ~4 min in the suite (-n 2) on the 2-core machine
 def test_shortened_guess_the_number_recipe_runs_its_schedule_on_held_out_seeds(tmp_path):
-    overrides = {"workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon_schedule.steps_per_stage": 2}
+    overrides = {"workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon_schedule.steps_per_stage": 1}
     summary = run_rl_job("configs/guess_the_number_cpu.py", overrides)
     tasks, before, after = summary.tasks, summary.before, summary.after
     assert summary.env == "textarena"
@@ -39,4 +39,4 @@ def test_shortened_guess_the_number_recipe_runs_its_schedule_on_held_out_seeds(t
     assert played and all(t < games.TASKS_PER_GAME and t % TEST_EVERY for t in played)
     demos = [json.loads(line) for line in (tmp_path / "demonstrations.jsonl").read_text().splitlines()]
     assert {d["task_id"] for d in demos} == {i for i in range(games.TASKS_PER_GAME) if i % TEST_EVERY}
-    assert [r["horizon"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [5] * 2 + [8] * 2 + [10] * 2
+    assert [r["horizon"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [5, 8, 10]
