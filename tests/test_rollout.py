@@ -80,6 +80,16 @@ def sampler(framing, model) -> Sampler:
 
 
 @pytest.fixture(scope="module")
+def whole_batch_sampler(framing, model) -> Sampler:
+    """The shared sampler's buckets, but appends and decodes always run all 4 rows: its shapes
+    do not depend on how many rows take part, which with continuous batching is a matter of
+    which environment answered first."""
+    config = RolloutConfig(max_tokens_per_turn=MAX_NEW).sampling_config(framing)
+    return Sampler.for_decoder(model[0], config, max_cache_len=2048, batch_buckets=(4,), chunk_buckets=(128, 256),
+                               cache_buckets=(2048,), fill_buckets=(4,), decode_buckets=(4,))
+
+
+@pytest.fixture(scope="module")
 def maze_url():
     with start_server("maze") as url:
         yield url
@@ -215,11 +225,14 @@ def test_horizon_is_respected_and_nothing_recompiles(framing, model, sampler, ma
             engine.run(model[1], [0, 1], 0, jax.random.key(0), policy_version=0)
 
 
-def test_slot_engine_reproduces_the_turn_batched_engine(framing, model, sampler, maze_url, task_info):
+def test_slot_engine_reproduces_the_turn_batched_engine(framing, model, whole_batch_sampler, maze_url, task_info):
     """Continuous batching (2 tasks x 2 episodes over 2 sampler slots, decode in chunks of 3 steps,
     so slots are refilled mid-run and turns span chunks) gives token for token the trajectories of
     the turn-batched engine under the same key, sampling at temperature 1, and the same work per
-    sampled token; the second run of the slot engine compiles nothing."""
+    sampled token; the second run of the slot engine compiles nothing (a sampler whose shapes
+    do not follow how many rows take part: which rows are filled together follows the order
+    in which environments answer, and a new count of rows may be a new bucket)."""
+    sampler = whole_batch_sampler
     base = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
     slots = dataclasses.replace(base, num_slots=2, decode_chunk=3)
     runs, compilations = {}, []
@@ -302,7 +315,8 @@ def test_a_group_member_admitted_later_copies_the_prompt(framing, model, sampler
     assert runs["slots_stats"].prompt_tokens_computed == one_prefill  # 1 row, the others copied later
 
 
-def test_shared_prompts_and_shrinking_batches_keep_the_trajectories(framing, model, sampler, maze_url, task_info):
+def test_shared_prompts_and_shrinking_batches_keep_the_trajectories(framing, model, sampler, whole_batch_sampler,
+                                                                     maze_url, task_info):
     """2 tasks x 2 episodes at temperature 1, turns forced to 1 and 8 tokens (by sample) under a
     token budget (the long-turn episodes end first), turns in calls of 4 decode steps. The shared
     sampler, whose appends and decodes drop the rows that do not take part (into buckets of 1 and
@@ -314,8 +328,7 @@ def test_shared_prompts_and_shrinking_batches_keep_the_trajectories(framing, mod
                            decode_chunk=4)
     lengths = {0: 1, 1: MAX_NEW}
     samplers = {
-        "all rows": Sampler.for_decoder(model[0], config.sampling_config(framing), max_cache_len=2048, batch_buckets=(4,),
-                                        chunk_buckets=(128, 256), cache_buckets=(2048,), fill_buckets=(4,), decode_buckets=(4,)),
+        "all rows": whole_batch_sampler,
         "rows taking part": sampler,
     }
     runs, stats = {}, {}
