@@ -208,10 +208,10 @@ def test_golden_trajectories_are_token_exact(framing, model, sampler, maze_url, 
     assert stats.turns == 12 and stats.sampler_busy_s + stats.sampler_wait_s <= stats.wall_s
 
 
-def test_horizon_is_respected_and_nothing_recompiles(framing, model, sampler, maze_url, task_info):
+def test_horizon_is_respected_and_nothing_recompiles(framing, model, whole_batch_sampler, maze_url, task_info):
     config = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW)
     compilations = []
-    with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+    with RolloutEngine(whole_batch_sampler, framing, EnvPool(maze_url), task_info, config) as engine:
         for horizon in (2, 3):  # the first run compiles (if no test before did); the second must not
             listener = lambda event, seconds, **kw: compilations.append(event)  # noqa: E731
             if horizon == 3:
