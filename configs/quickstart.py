@@ -171,8 +171,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch
     config.algo.length_buckets = 1  # > 1: micro-batches grouped by length, each run at the shortest of
     #   this many lengths (the batch's, its halvings) that holds it; exact, fewer padded positions
-    config.algo.shared_prefix = True  # each group's rows as one prefix tree: the prompt they share computed
-    #   once, forward and backward (exact); mini- and micro-batches then count groups, not rows
+    config.algo.shared_prefix = False  # True: each group's rows as one prefix tree, the prompt they share
+    #   computed once, forward and backward (exact); mini- and micro-batches then count groups, not rows.
+    #   Off for this 2-layer model's ~200-token episodes: its shortened run took 315 s packed, 235 s plain
+    #   (more shapes to compile, longer packed rows); on for SmolLM2 (configs/smollm.py)
     config.algo.policy_loss = "ppo"  # ppo (per-token ratio) | gspo (per-sequence ratio)
     config.algo.clip_eps_low = 0.2  # ratio clipped to [1 - low, 1 + high]
     config.algo.clip_eps_high = 0.2  # DAPO's clip-higher: 0.28
