@@ -5,7 +5,8 @@ its demonstrations cover every training seed, and the horizon schedule moves thr
 Whether GRPO raises held-out success here is not asserted: over eight full runs the gain was
 +0.05 (p = 0.18, docs/experiments.md), and the shortened run's sign depends on the float rounding
 of one seed (measured on 2026-12-06, AMD EPYC, 12 steps: 0.650 -> 0.600 on seed 0 and 0.350 ->
-0.350 on seed 1 with prefix-tree packing, 0.350 -> 0.650 on seed 0 without it). The quickstart's
+0.350 on seed 1 with prefix-tree packing, then the CPU recipes' default, 0.350 -> 0.650 on seed 0
+without it, their default again). The quickstart's
 test asserts a lift; a lift that holds on every seed is issue 44's.
 """
 

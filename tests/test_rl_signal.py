@@ -247,6 +247,7 @@ CURRICULUM_JOB = {
     **TINY_RL_JOB, "train.checkpoint_every": 1, "horizon_schedule.steps_per_stage": 2,
     "curriculum.replay": True, "curriculum.replay_by": "layout", "curriculum.sampling": "pass_rate",
     "algo.dynamic_sampling": True, "algo.max_extra_groups": 2,
+    "algo.shared_prefix": True,  # each group one prefix tree, its replayed turns shared: packing through a whole job
 }
 
 
