@@ -17,14 +17,15 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
   low_var_kl). Without the KL term two updates at 1e-5 took held-out TextCraft from 3/8 to 1/8
   (run D); at 3e-6 with it six steps left the greedy policy as it was on 63 of 64 held-out tasks
   (run F); at 1e-5 with it training success rose 0.13 -> 0.63 and held-out invalid actions fell
-  0.85 -> 0.54, held-out success level (run G). An update of 24 episodes of ~1000 tokens takes
-  2-5 minutes here, so few steps fit.
+  0.85 -> 0.54, held-out success level (run G). An RL step of 24 episodes of ~500 tokens took
+  8.7 minutes before each group's prompt was computed once (rollout and update), 3.7 now
+  (bench/rl_step.py), so few steps fit.
 - TextCraft's RL draws depth-1 goals only (`curriculum.key=depth`): goals of every depth at
   horizons 4-6 gave all-failure groups, nothing to learn from (run C), and so did depth-2 goals
   after SFT (run F); depth-1 goals give mixed ones. BabyAI's stages draw the tasks the oracle
   finishes within the stage's horizon (`curriculum.key=oracle_turns`, environments/babyai/grades.py).
 - SFT at 1e-4 for few updates (4 at 5e-5 on the top 6 layers left the model copying the prompt).
-  These recipes are a draft. Greedy held-out success does not move after RL; sampled at 0.7
+  What RL adds here is small so far. Greedy held-out success does not move after RL; sampled at 0.7
   (`eval.temperature`), TextCraft's RL adds +5 points over three seeds (p = 0.02), all on depth-1 goals.
   Three SFT epochs on 88 demonstrations start at 19/64 sampled, and GRPO adds nothing to that (run K).
   On BabyAI, SFT teaches the one-action shortcut ("go to red ball 1" with the ball in view) and no
