@@ -540,7 +540,7 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     rows (`rollout/packing.py`: the prompt they share computed once), every process with the
     same number of units (a multiple of `unit_multiple` in all) and the same packed width; the
     plain batch where no process's rows share a token. `packed_token_fraction` counts what the
-    packed rows hold of the rows' tokens (1 for plain rows).
+    packed rows hold of the rows' tokens (1 where nothing is shared; no such count unpacked).
 
     On one process it is the host batch (the jitted step places it); on several, global arrays
     (group ids made unique across processes; whole groups stay on one process, so the masking is
@@ -557,7 +557,8 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     if n == 1:
         return batch, counts
     counts = {k: sum(c[k] for c in distributed.gather_objects(counts)) for k in counts}
-    counts["packed_token_fraction"] = counts.get("packed_token_fraction", n) / n
+    if rows_per_unit:  # the processes' mean (plain rows report none, as on one process)
+        counts["packed_token_fraction"] /= n
     batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * batch.tokens.shape[0])  # unique ids
     return distributed.rows_from_processes(batch, partition.batch_sharding(mesh)), counts
 
