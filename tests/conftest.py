@@ -40,3 +40,11 @@ def fast_compiles():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", before)
+
+
+def pytest_collection_modifyitems(items):
+    """Files that hold a slow test first. With `--dist loadfile` (pytest.ini) each worker takes a
+    whole file at a time in this order, so the long end-to-end files start early and short files
+    fill the end; in plain name order the recipe files came last and one worker ran them alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
