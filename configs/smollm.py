@@ -150,7 +150,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.num_minibatches = 1
     # One group of 6 rows a micro-batch, packed as one prefix tree (algo.shared_prefix): its ~430-token
     # prompt computed once, ~1,000-1,500 positions where 3 plain rows took up to 4,600 (they peaked at
-    # ~17 GB with 6 rows a micro-batch, run E); the update 2.33x faster (bench/rl_step.py). SFT: 2 rows
+    # ~17 GB with 6 rows a micro-batch, run E); the update 2.3-2.45x faster (bench/rl_step.py). SFT: 2 rows
     # a micro-batch.
     config.algo.shared_prefix = True
     config.algo.num_microbatches = 4

@@ -73,10 +73,7 @@ def random_params(config: ModelConfig, scale: float):
 def sampler(framing, model) -> Sampler:
     """One sampler for every test, with fixed buckets so that it compiles once: 4 rows, the
     prompt (~200 ids) in the 256 chunk bucket, observations in the 128 one, one cache bucket."""
-    config = RolloutConfig(max_tokens_per_turn=MAX_NEW).sampling_config(framing)
-    return Sampler.for_decoder(
-        model[0], config, max_cache_len=2048, batch_buckets=(4,), chunk_buckets=(128, 256), cache_buckets=(2048,)
-    )
+    return _fixed_bucket_sampler(framing, model)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +81,13 @@ def whole_batch_sampler(framing, model) -> Sampler:
     """The shared sampler's buckets, but appends and decodes always run all 4 rows: its shapes
     do not depend on how many rows take part, which with continuous batching is a matter of
     which environment answered first."""
+    return _fixed_bucket_sampler(framing, model, fill_buckets=(4,), decode_buckets=(4,))
+
+
+def _fixed_bucket_sampler(framing, model, **buckets) -> Sampler:
     config = RolloutConfig(max_tokens_per_turn=MAX_NEW).sampling_config(framing)
     return Sampler.for_decoder(model[0], config, max_cache_len=2048, batch_buckets=(4,), chunk_buckets=(128, 256),
-                               cache_buckets=(2048,), fill_buckets=(4,), decode_buckets=(4,))
+                               cache_buckets=(2048,), **buckets)
 
 
 @pytest.fixture(scope="module")
@@ -232,14 +233,13 @@ def test_slot_engine_reproduces_the_turn_batched_engine(framing, model, whole_ba
     sampled token; the second run of the slot engine compiles nothing (a sampler whose shapes
     do not follow how many rows take part: which rows are filled together follows the order
     in which environments answer, and a new count of rows may be a new bucket)."""
-    sampler = whole_batch_sampler
     base = RolloutConfig(group_size=2, max_tokens_per_turn=MAX_NEW, straggler_wait_s=0.0)
     slots = dataclasses.replace(base, num_slots=2, decode_chunk=3)
     runs, compilations = {}, []
     listener = lambda event, seconds, **kw: compilations.append(event)  # noqa: E731
     for name, config in (("turns", base), ("slots", slots)):
-        sampler.work = SamplerWork()
-        with RolloutEngine(sampler, framing, EnvPool(maze_url), task_info, config) as engine:
+        whole_batch_sampler.work = SamplerWork()
+        with RolloutEngine(whole_batch_sampler, framing, EnvPool(maze_url), task_info, config) as engine:
             for run in range(2 if name == "slots" else 1):
                 if run == 1:
                     jax.monitoring.register_event_duration_secs_listener(listener)
