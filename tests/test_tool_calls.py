@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import concurrent.futures
+import gc
 import time
 
 import pytest
 
+from agentgym_jax.envs.protocol import python_source
 from agentgym_jax.envs.protocol.tool_calls import (
     ToolCall, ToolCallError, check_arguments, format_agentgym, format_hermes, format_llama3, function_schema,
     parse_tool_call, parse_tool_calls)
@@ -127,3 +131,20 @@ def test_arguments_are_checked_and_lightly_coerced():
 def test_bad_arguments_name_the_argument_and_the_expected_ones(arguments, message):
     with pytest.raises(ToolCallError, match=message.replace("(", "\\(")):
         check_arguments(SCHEMA, arguments, "t")
+
+
+def test_python_source_parses_from_many_threads_while_jax_collects_garbage():
+    """Plain `ast.parse` fails here with "AST constructor recursion depth mismatch" (CPython 3.11)."""
+    import jax  # noqa: F401  registers the garbage-collection callback that releases the GIL
+
+    from environments.code import problems
+    sources = [p.test + p.prompt for p in problems.all_problems()]
+    expected = [len(ast.parse(s).body) for s in sources]
+    threshold = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            parsed = list(pool.map(lambda _: [len(python_source.parse(s).body) for s in sources], range(48)))
+    finally:
+        gc.set_threshold(*threshold)
+    assert parsed == [expected] * 48

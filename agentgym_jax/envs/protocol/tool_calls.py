@@ -24,6 +24,8 @@ import json
 import math
 from typing import Any, Iterable
 
+from agentgym_jax.envs.protocol import python_source
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 ACTION_MARKER, INPUT_MARKER = "Action:", "with Action Input:"
 PYTHON_TAG = "<|python_tag|>"
@@ -153,7 +155,7 @@ def _keyword_arguments(name: str, rest: str) -> dict[str, Any]:
     if close < 0:
         raise ToolCallError(f"Unclosed parenthesis in the call of {name}. {FORMAT_HELP}")
     try:
-        node = ast.parse(f"f{rest[:close + 1]}", mode="eval").body
+        node = python_source.parse(f"f{rest[:close + 1]}", mode="eval").body
         if not isinstance(node, ast.Call) or node.args:
             raise ToolCallError(f"Pass the arguments of {name} by name: {name}(key=value, ...).")
         arguments = {}
