@@ -4,6 +4,7 @@ side; and the whole RL step (rollout + update) before and after.
 
     python bench/rl_step.py                              # SmolLM2-135M, the recorded groups, rollout too
     python bench/rl_step.py --no-rollout --rounds 1      # the update only
+    python bench/rl_step.py --no-rollout --variants shared+gathered,shared+gathered+even   # main and these
     python bench/rl_step.py --record runs/tc/trajectories.jsonl   # re-record the groups from a run
 
 The batch: 4 tasks x 6 samples as `configs/textcraft_smollm.py` trains them. Their structure is
@@ -18,15 +19,17 @@ recipe's optimizer settings:
 - `plain`: this tree, the same settings;
 - `shared`: each group's 6 rows as one prefix tree (`algo.shared_prefix`), 4 micro-batches of one
   group, the output layer at every token (`model.logprobs_at=all`);
-- `shared+gathered`: and the output layer only at the loss's tokens (`model.logprobs_at=loss`),
-  the recipe now.
+- `shared+gathered`: and the output layer only at the loss's tokens (`model.logprobs_at=loss`);
+- `shared+gathered+even`: and each group's tree run at the shortest of 4 evenly spaced lengths
+  that holds it (`algo.length_spacing=even`; halvings of a 1,536 width ran every tree of
+  1,000-1,500 positions at 1,536), the recipe now.
 
 Columns: tokens in the batch (real; padded), token positions the trunk computed (prepare's two
 passes and the update's), seconds per update (best of `--rounds`, after a first compiling call),
 XLA's temp memory of the compiled update. The rollout (`--rollout`, on by default): one step's
 episodes of the recipe (4 TextCraft training tasks x 6 samples, horizon 6, temperature 0.7) from
 the pretrained policy, played by `--baseline`'s code and by this tree's, on a server the script
-starts. Last line: `summary: update_speedup=<main / shared+gathered> rl_step_speedup=<(rollout +
+starts. Last line: `summary: update_speedup=<main / shared+gathered+even> rl_step_speedup=<(rollout +
 update) main / now> computed_token_fraction=<trunk positions computed / real tokens, now>`.
 """
 
@@ -67,6 +70,8 @@ VARIANTS = {
                    forward=dict(logprobs_at="all")),
     "shared+gathered": dict(batching=dict(num_microbatches=4, length_buckets=3, shared_prefix=True),
                             forward=dict(logprobs_at="loss")),
+    "shared+gathered+even": dict(batching=dict(num_microbatches=4, length_buckets=4, length_spacing="even",
+                                               shared_prefix=True), forward=dict(logprobs_at="loss")),
 }
 
 
@@ -219,11 +224,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", default=BASELINE, help="the git ref whose update and rollout are 'main'")
     parser.add_argument("--no-rollout", dest="rollout", action="store_false")
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "main"),
+                        help="this tree's variants to time, comma-separated (main always runs)")
     parser.add_argument("--record", type=pathlib.Path, help="a run's trajectories.jsonl to record the groups from")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="plain", help=argparse.SUPPRESS)
     parser.add_argument("--what", default="update", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     if args.record:
         return record(args.record, GROUPS)
     step = json.loads(GROUPS.read_text())["steps"][args.step]
@@ -236,14 +245,14 @@ def main() -> None:
     tree = baseline_tree(args.baseline)
     common = ["--model", args.model, "--step", str(args.step), "--rounds", str(args.rounds)]
     results = [run_child(tree, [*common, "--variant", "main"])]
-    results += [run_child(ROOT, [*common, "--variant", v]) for v in ("plain", "shared", "shared+gathered")]
+    results += [run_child(ROOT, [*common, "--variant", v]) for v in args.variants.split(",") if v != "main"]
     by = {r["variant"]: r for r in results}
     print("| variant | real tokens | padded | packed | positions computed | first call s | update s | speed-up | temp GB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(f"| {r['variant']} | {r['real_tokens']} | {r['padded_tokens']} | {r['packed_tokens']} | {r['positions']:.0f} | "
               f"{r['first_s']:.1f} | {r['update_s']:.1f} | {by['main']['update_s'] / r['update_s']:.2f}x | {r['temp_gb']:.2f} |")
-    now = by["shared+gathered"]
+    now = by.get("shared+gathered+even", results[-1])
     rl_step = float("nan")
     if args.rollout:
         before = run_child(tree, [*common, "--what", "rollout"])["rollout_s"]

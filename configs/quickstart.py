@@ -171,6 +171,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.num_microbatches = 1  # gradient-accumulation chunks per mini-batch
     config.algo.length_buckets = 1  # > 1: micro-batches grouped by length, each run at the shortest of
     #   this many lengths (the batch's, its halvings) that holds it; exact, fewer padded positions
+    config.algo.length_spacing = "halving"  # those lengths: the batch's and its halvings, or "even"ly spaced
     config.algo.shared_prefix = False  # True: each group's rows as one prefix tree, the prompt they share
     #   computed once, forward and backward (exact); mini- and micro-batches then count groups, not rows.
     #   Off for this 2-layer model's ~200-token episodes: its shortened run took 315 s packed, 235 s plain

@@ -154,7 +154,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # a micro-batch.
     config.algo.shared_prefix = True
     config.algo.num_microbatches = 4
-    config.algo.length_buckets = 3
+    config.algo.length_buckets = 4  # a group's tree of ~1,000-1,500 positions at width 1,536 runs at
+    config.algo.length_spacing = "even"  # 1,152 or 1,536 (halvings: 1,536 for all)
     return config
 
 

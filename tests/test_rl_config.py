@@ -35,7 +35,7 @@ NOT_UPDATE = {"critic_dir", "critic_lr"}
 # A valid value other than the default for every key.
 OVERRIDES = {
     "advantage": "gae", "advantage_epsilon": 1e-4, "gamma": 0.9, "lam": 0.95, "discount": "turn", "whiten": False, "ppo_epochs": 3,
-    "num_minibatches": 4, "num_microbatches": 2, "length_buckets": 3, "shared_prefix": False, "policy_loss": "gspo", "clip_eps_low": 0.1,
+    "num_minibatches": 4, "num_microbatches": 2, "length_buckets": 3, "length_spacing": "even", "shared_prefix": False, "policy_loss": "gspo", "clip_eps_low": 0.1,
     "clip_eps_high": 0.28, "dual_clip_c": 3.0, "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01,
     "vf_coef": 0.25, "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
     "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True, "max_extra_groups": 4,

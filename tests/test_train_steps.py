@@ -122,6 +122,14 @@ def test_length_buckets_are_the_sequence_and_its_halvings():
         make_update(MODEL, length_buckets=0)
 
 
+def test_evenly_spaced_length_buckets_split_the_sequence_in_equal_steps():
+    assert microbatch.length_buckets(1536, 4, spacing="even") == (1536, 1152, 768, 384)
+    assert microbatch.length_buckets(1000, 3, spacing="even") == (1000, 704, 384)  # 667, 334 rounded up to 64
+    assert microbatch.length_buckets(128, 4, spacing="even") == (128, 64)
+    with pytest.raises(ValueError, match="length_spacing='linear' is not one of halving, even"):
+        make_update(MODEL, length_spacing="linear")
+
+
 def _ragged_batch(rows: int, seq: int, lengths: np.ndarray) -> TokenBatch:
     """`_batch` with the given row lengths (right-padded), every row with some policy tokens."""
     batch = _batch(rows, seq, seed=3)
@@ -180,6 +188,26 @@ def test_length_grouped_micro_batches_give_the_padded_update_on_fewer_positions(
     assert run == [0, 64, 64, 128]
     assert float(metrics_a["length_fraction"]) == 1.0
     np.testing.assert_allclose(metrics_b["length_fraction"], np.mean(run) / 256)  # 0.25
+
+
+def test_evenly_spaced_lengths_give_the_padded_update_on_the_positions_they_name():
+    """Parts needing 40, 100, 150 and 250 of 256 positions run at 64, 128, 192 and 256 with 4
+    evenly spaced lengths (halvings: 64, 128, 256, 256): the padded update's params and scores."""
+    lengths = np.array([40, 12, 30, 20, 100, 70, 90, 80, 150, 130, 140, 110, 250, 200, 180, 160])
+    batch = _ragged_batch(16, 256, lengths)
+    even = replace(PADDED, length_buckets=4, length_spacing="even")
+    runs = []
+    for config in (PADDED, even):
+        fns, state = step_fns(config), _state()
+        rl_batch, prep_metrics = fns.prepare(state.params, state.params, batch)
+        runs.append((rl_batch, prep_metrics, *fns.rl_update(state, rl_batch)))
+    (want, _, a, metrics_a), (got, got_prep, b, metrics_b) = runs
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), a.params, b.params)
+    np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
+    mask = np.asarray(batch.loss_mask) > 0
+    np.testing.assert_allclose(np.asarray(got.old_logprobs)[mask], np.asarray(want.old_logprobs)[mask], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(metrics_b["length_fraction"], (64 + 128 + 192 + 256) / 1024)
+    np.testing.assert_allclose(got_prep["score_length_fraction"], (64 + 128 + 192 + 256) / 1024)
 
 
 def test_length_grouped_scoring_gives_the_padded_scores_on_fewer_positions(ragged_updates):

@@ -83,11 +83,23 @@ def full_length(batch: Any) -> int:
     return batch.layout.width if getattr(batch, "layout", None) is not None else batch.tokens.shape[1]
 
 
-def length_buckets(seq: int, count: int, multiple: int = 64) -> tuple[int, ...]:
-    """The lengths a part of `seq` positions can run at, longest first: `seq` and its halvings
-    (`count` in all, rounded up to a `multiple` of positions, repeats dropped)."""
-    halvings = (-(-(seq >> i) // multiple) * multiple for i in range(count))
-    return tuple(sorted({min(seq, max(length, multiple)) for length in halvings}, reverse=True))
+LENGTH_SPACINGS = ("halving", "even")
+
+
+def length_buckets(seq: int, count: int, multiple: int = 64, spacing: str = "halving") -> tuple[int, ...]:
+    """The lengths a part of `seq` positions can run at, longest first, `count` in all (rounded up
+    to a `multiple` of positions, repeats dropped): `seq` and its halvings, for parts whose lengths
+    spread over octaves (episodes of 1 to 12 turns); or `seq * k / count`, evenly spaced, for parts
+    of like lengths (a group's packed prefix tree: 1,000-1,500 positions at width 1,536 all ran at
+    the full width between halvings)."""
+    if spacing not in LENGTH_SPACINGS:
+        raise ValueError(f"length_spacing must be one of {LENGTH_SPACINGS}, got {spacing!r}")
+    if spacing == "halving":
+        lengths = (seq >> i for i in range(count))
+    else:
+        lengths = (-(-seq * (count - i) // count) for i in range(count))
+    rounded = (-(-length // multiple) * multiple for length in lengths)
+    return tuple(sorted({min(seq, max(length, multiple)) for length in rounded}, reverse=True))
 
 
 def unit_lengths(units: Any) -> jax.Array:

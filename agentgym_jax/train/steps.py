@@ -96,17 +96,23 @@ class Batching:
     num_minibatches: int = 1  # optimizer updates per epoch
     num_microbatches: int = 1  # gradient-accumulation chunks per mini-batch
     length_buckets: int = 1  # > 1: micro-batches grouped by length, each run at its own (`length_buckets()`)
+    length_spacing: str = "halving"  # those lengths: the full one and its halvings, or evenly spaced ("even")
     shared_prefix: bool = False  # each group's rows packed as one prefix tree (`rollout/packing.py`), cut by units
     agg_mode: str = "token-mean"  # one of rl.masked.LOSS_AGG_MODES
     loss_norm_length: int | None = None  # the constant of agg_mode "seq-mean-token-sum-norm"
 
     def __post_init__(self):
         _one_of(self, "agg_mode", LOSS_AGG_MODES)
+        _one_of(self, "length_spacing", microbatch.LENGTH_SPACINGS)
         _at_least(1, False, ppo_epochs=self.ppo_epochs, num_minibatches=self.num_minibatches,
                   num_microbatches=self.num_microbatches, length_buckets=self.length_buckets)
         _at_least(0, True, loss_norm_length=self.loss_norm_length)
         if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
             raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs loss_norm_length (e.g. max_response_length)")
+
+    def run_lengths(self, full: int) -> tuple[int, ...]:
+        """The lengths a part of a batch `full` positions wide may run at (`microbatch.at_length`)."""
+        return microbatch.length_buckets(full, self.length_buckets, spacing=self.length_spacing)
 
     @property
     def updates_per_step(self) -> int:
@@ -329,7 +335,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     order = microbatch.length_order(units, parts) if batching.length_buckets > 1 and parts > 1 else None
     ordered = units if order is None else jax.tree.map(lambda x: x[order], units)
     full = microbatch.full_length(batch)
-    score_at = microbatch.at_length(score_part, microbatch.length_buckets(full, batching.length_buckets), per_position=True)
+    score_at = microbatch.at_length(score_part, batching.run_lengths(full), per_position=True)
     scored, run_lengths = jax.lax.map(lambda part: score_at(all_params, part), microbatch.split(ordered, parts))
     scored = microbatch.merge(scored)
     if order is not None:
@@ -529,8 +535,7 @@ def accumulated_update(
         return loss_fn(policy, microbatch.to_rows(micro_units), config=config)
 
     full = microbatch.full_length(batch)
-    grad_fn = microbatch.at_length(jax.value_and_grad(trainable_loss, has_aux=True),
-                                   microbatch.length_buckets(full, batching.length_buckets))
+    grad_fn = microbatch.at_length(jax.value_and_grad(trainable_loss, has_aux=True), batching.run_lengths(full))
 
     def micro_step(grads, inputs):
         micro_units, weight = inputs
