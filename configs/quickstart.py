@@ -160,9 +160,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # Every key below is a field of train/steps.UpdateConfig or train/rl_batch.BatchFilter;
     # docs/algorithms.md has the formula and paper of each. A bad value is refused at start-up.
     config.algo = ml_collections.ConfigDict()
-    config.algo.advantage = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | gae
-    config.algo.advantage_epsilon = 0.0  # guard of the std divisor (grpo, reinforce_plus_plus); 0: theirs (1e-6, 1e-8)
-    config.algo.gamma = 1.0  # discount of reinforce_plus_plus and gae
+    config.algo.advantage = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | gae | gigpo
+    config.algo.advantage_epsilon = 0.0  # guard of the std divisor (grpo, reinforce_plus_plus, gigpo); 0: theirs (1e-6, 1e-8)
+    config.algo.gamma = 1.0  # discount of reinforce_plus_plus, gae and gigpo's step returns (gigpo: 0.95, or a
+    #   wasted turn in a successful episode returns what the move that followed it returns)
+    config.algo.step_weight = 1.0  # gigpo: the weight of the step advantage beside the episode's
     config.algo.lam = 1.0  # GAE's lambda
     config.algo.discount = "token"  # gamma/lam applied per policy token, or per turn ("turn")
     config.algo.whiten = True  # GAE's advantages whitened over the batch (verl's default)

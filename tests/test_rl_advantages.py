@@ -240,7 +240,7 @@ def test_outcome_reward_reaches_every_policy_token():
 
 
 @jax.jit
-def all_estimators(token_rewards, loss_mask, values, group_ids):
+def all_estimators(token_rewards, loss_mask, values, group_ids, step_groups):
     return {
         name: adv.compute_advantages(
             name,
@@ -248,6 +248,7 @@ def all_estimators(token_rewards, loss_mask, values, group_ids):
             loss_mask=loss_mask,
             values=values,
             group_ids=group_ids,
+            step_groups=step_groups,
         )
         for name in adv.ADVANTAGE_ESTIMATORS
     }
@@ -255,7 +256,7 @@ def all_estimators(token_rewards, loss_mask, values, group_ids):
 
 def test_all_masked_batch_gives_zeros_not_nan():
     ones = jnp.ones((3, 5))
-    results = all_estimators(ones, jnp.zeros((3, 5), bool), ones, jnp.asarray([0, 0, 1]))
+    results = all_estimators(ones, jnp.zeros((3, 5), bool), ones, jnp.asarray([0, 0, 1]), jnp.zeros((3, 5), jnp.int32))
     assert set(results) == set(adv.ADVANTAGE_ESTIMATORS)
     for advantages, returns in results.values():
         np.testing.assert_array_equal(advantages, 0.0)
@@ -405,3 +406,120 @@ def test_turn_discounting_differs_from_token_discounting_and_bad_names_are_refus
     assert np.abs(np.asarray(by_token) - np.asarray(by_turn)).max() > 0.05
     with pytest.raises(ValueError, match="unknown discount 'step'; valid: token, turn"):
         adv.reinforce_plus_plus(r32, m, discount="step")
+
+
+# ---- GiGPO: step-level groups of anchor states ---------------------------------------------------
+
+
+def episode(group_id, turns, seed):
+    """A prompt (ids 1, 2, 3), then per turn `(observation ids, action length, reward)`: the
+    observation (none before the first turn: the prompt is its state) and the policy's action."""
+    from agentgym_jax.rollout.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    ids, mask, spans, rewards = [1, 2, 3], [0, 0, 0], [], []
+    for observation, length, reward in turns:
+        ids += list(observation)
+        mask += [0] * len(observation)
+        spans.append((len(ids), len(ids) + length))
+        ids += [int(x) for x in rng.integers(10, 60, length)]
+        mask += [1] * length
+        rewards.append(reward)
+    return Trajectory(task_id=group_id, env="room", group_id=group_id, token_ids=ids, loss_mask=mask,
+                      logprobs=[0.0] * len(ids), turn_spans=spans, turn_rewards=rewards,
+                      reward=float(sum(rewards)), status="success" if sum(rewards) > 0 else "failure")
+
+
+# Group 0: a task from the prompt's state; observation (7,) is a cell next to a wall, (8,) the goal's
+# neighbour. Episode a bumps the wall once ((7,) again), b walks straight, c fails. Group 1 sees the
+# same observation ids (a different task: never the same anchor state as group 0's).
+GIGPO_EPISODES = [
+    episode(0, [((), 2, 0.0), ((4, 7), 3, 0.0), ((4, 7), 2, 0.0), ((4, 8), 1, 1.0)], 0),  # a: a no-op at (7,)
+    episode(0, [((), 3, 0.0), ((4, 7), 2, 0.0), ((4, 8), 2, 1.0)], 1),  # b
+    episode(0, [((), 1, 0.0), ((4, 9), 2, 0.0), ((4, 9), 2, 0.0)], 2),  # c: elsewhere, fails
+    episode(1, [((), 2, 0.0), ((4, 7), 1, 0.5)], 3),
+    episode(1, [((), 2, 0.0), ((4, 7), 3, 0.0)], 4),
+]
+
+
+def ref_gigpo(trajectories, gamma, step_weight, eps):
+    """GiGPO in float64 from the trajectories themselves: GRPO's episode advantage, plus per turn
+    the standardised discounted return among the turns of its group taken from the same
+    observation ids (since the previous turn), a state seen once adding 0."""
+    episode_returns = np.array([t.reward for t in trajectories])
+    groups = np.array([t.group_id for t in trajectories])
+    turns = []  # (row, span, anchor, return)
+    for row, t in enumerate(trajectories):
+        previous = 0
+        for k, (start, end) in enumerate(t.turn_spans):
+            anchor = (t.group_id, tuple(t.token_ids[previous:start]))
+            ret = sum(gamma ** (j - k) * r for j, r in enumerate(t.turn_rewards) if j >= k)
+            turns.append((row, (start, end), anchor, ret))
+            previous = end
+    seq = max(len(t.token_ids) for t in trajectories)
+    out = np.zeros((len(trajectories), seq))
+    for row, (start, end), anchor, ret in turns:
+        same = np.array([r for _, _, a, r in turns if a == anchor])
+        members = episode_returns[groups == groups[row]]
+        episode_adv = (episode_returns[row] - members.mean()) / (members.std(ddof=1) + eps)
+        step_adv = (ret - same.mean()) / (same.std(ddof=1) + eps) if len(same) > 1 else 0.0
+        out[row, start:end] = episode_adv + step_weight * step_adv
+    return out
+
+
+def test_anchor_states_are_shared_by_turns_from_the_same_observation_within_a_group():
+    from agentgym_jax.rollout.batch import make_token_batch
+
+    b = make_token_batch(GIGPO_EPISODES, anchor_states=True)
+    ids = np.asarray(b.step_groups)
+    first = lambda row, k: ids[row, GIGPO_EPISODES[row].turn_spans[k][0]]  # noqa: E731
+    assert first(0, 0) == first(1, 0) == first(2, 0) != first(3, 0) == first(4, 0)  # the prompt: one state a group
+    assert first(0, 1) == first(0, 2) == first(1, 1) != first(3, 1)  # (7,): a's bump, a again, b; group 1's is its own
+    assert first(0, 3) == first(1, 2) and first(2, 1) == first(2, 2)  # (8,) in a and b; c's (9,) twice
+    assert len({first(r, k) for r, t in enumerate(GIGPO_EPISODES) for k in range(len(t.turn_spans))}) == 6
+    mask = np.asarray(b.loss_mask) > 0
+    assert np.all(ids[~mask] == -1) and np.all(ids[mask] >= 0)  # every policy token and only they
+    assert make_token_batch(GIGPO_EPISODES).step_groups is None  # built only when asked for
+
+
+@pytest.mark.parametrize("gamma, step_weight", [(0.95, 1.0), (1.0, 0.5)])
+def test_gigpo_matches_a_float64_reference(gamma, step_weight):
+    from agentgym_jax.rollout.batch import make_token_batch
+
+    b = make_token_batch(GIGPO_EPISODES, anchor_states=True)
+    got, returns = COMPUTE("gigpo", token_rewards=b.token_rewards, loss_mask=b.loss_mask, group_ids=b.group_ids,
+                           step_groups=b.step_groups, gamma=gamma, step_weight=step_weight)
+    want = ref_gigpo(GIGPO_EPISODES, gamma, step_weight, 1e-6)  # [rows, longest]; the batch pads to its bucket
+    np.testing.assert_allclose(got, np.pad(want, ((0, 0), (0, got.shape[1] - want.shape[1]))), **TOL)
+    np.testing.assert_array_equal(got, returns)
+
+
+def test_gigpo_makes_a_no_op_cost_where_grpo_rewards_it():
+    """Episode a succeeds after bumping a wall: GRPO gives the bump the advantage of the success;
+    GiGPO compares it with the moves taken from the same state and gives it less than the move
+    that left the state, and less than GRPO did."""
+    from agentgym_jax.rollout.batch import make_token_batch
+
+    b = make_token_batch(GIGPO_EPISODES, anchor_states=True)
+    inputs = dict(token_rewards=b.token_rewards, loss_mask=b.loss_mask, group_ids=b.group_ids)
+    gigpo, _ = COMPUTE("gigpo", step_groups=b.step_groups, gamma=0.95, **inputs)
+    grpo, _ = COMPUTE("grpo", **inputs)
+    bump, leave = GIGPO_EPISODES[0].turn_spans[1][0], GIGPO_EPISODES[0].turn_spans[2][0]
+    assert grpo[0, bump] == grpo[0, leave] > 0
+    assert gigpo[0, bump] < gigpo[0, leave] and gigpo[0, bump] < grpo[0, bump]
+
+
+def test_gigpo_turns_that_all_return_the_same_add_exactly_nothing():
+    from agentgym_jax.rollout.batch import make_token_batch
+
+    same = [episode(0, [((), 2, 0.0), ((4, 7), 2, 0.3)], s) for s in range(3)]
+    b = make_token_batch(same + [episode(0, [((), 2, 0.0), ((4, 9), 2, 0.7)], 3)], anchor_states=True)
+    inputs = dict(token_rewards=b.token_rewards, loss_mask=b.loss_mask, group_ids=b.group_ids)
+    gigpo, _ = COMPUTE("gigpo", step_groups=b.step_groups, gamma=0.95, **inputs)
+    grpo, _ = COMPUTE("grpo", **inputs)
+    turn = same[0].turn_spans[1][0]  # (7,) from three episodes, each returning 0.3: no step signal
+    np.testing.assert_array_equal(np.asarray(gigpo)[:3, turn], np.asarray(grpo)[:3, turn])
+    with pytest.raises(ValueError, match="gigpo needs step_groups"):
+        adv.compute_advantages("gigpo", **inputs)
+    with pytest.raises(ValueError, match="step_weight must be >= 0"):
+        adv.compute_advantages("gigpo", step_groups=b.step_groups, step_weight=-1.0, **inputs)

@@ -39,8 +39,10 @@ OVERRIDES = {
     "clip_eps_high": 0.28, "dual_clip_c": 3.0, "kl_coef": 0.01, "kl_estimator": "k3", "kl_in_reward": True, "entropy_coef": 0.01,
     "vf_coef": 0.25, "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
     "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True, "max_extra_groups": 4,
-    "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5,
+    "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5, "step_weight": 0.5,
 }
+# Keys of another estimator than the overrides' (gae): checked with the one that reads them.
+OTHER_ESTIMATOR = {"step_weight": "gigpo"}
 HPARAM_KEYS = {"epsilon": "advantage_epsilon"}
 
 
@@ -63,6 +65,11 @@ def test_every_algo_key_reaches_the_update_and_every_override_arrives():
     update, rules = settings.update(config, MODEL, objective="rl"), settings.batch_filter(config)
     read = {**dict(update.rl.advantage_hparams), **dict(update.rl.loss_hparams)}
     for key, value in OVERRIDES.items():
+        if key in OTHER_ESTIMATOR:
+            other = settings.update(parse(f"--config.algo.advantage={OTHER_ESTIMATOR[key]}", f"--config.algo.{key}={value}"),
+                                    MODEL, objective="rl")
+            assert dict(other.rl.advantage_hparams)[key] == value, key
+            continue
         part = next((p for p in (update.batching, update.rl, rules) if hasattr(p, key)), None)
         name = next((h for h, k in HPARAM_KEYS.items() if k == key), key)
         assert (getattr(part, key) if part is not None else read[name]) == value, key
@@ -76,6 +83,8 @@ def test_zero_means_off_for_optional_values_and_an_estimator_reads_only_what_it_
     assert update.batching.loss_norm_length is None and update.rl.decoupled_ppo is False
     gae = settings.update(parse("--config.algo.advantage=gae", "--config.algo.lam=0.9"), MODEL, objective="rl")
     assert dict(gae.rl.advantage_hparams) == {"gamma": 1.0, "lam": 0.9, "discount": "token", "whiten": True}
+    gigpo = settings.update(parse("--config.algo.advantage=gigpo", "--config.algo.gamma=0.95"), MODEL, objective="rl")
+    assert dict(gigpo.rl.advantage_hparams) == {"gamma": 0.95, "step_weight": 1.0}
 
 
 @pytest.mark.parametrize("overrides, message", [

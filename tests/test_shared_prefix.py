@@ -225,6 +225,26 @@ def test_ppo_with_a_value_head_on_packed_rows_equals_the_plain_update():
     assert float(np.abs(np.asarray(got[0].old_values)).max()) > 0
 
 
+def test_gigpo_on_packed_rows_equals_the_plain_update():
+    """GiGPO's anchor states travel with their rows into the units (here two groups a unit, one
+    group's rows masked out and left out of the packing) and give the plain rows' step."""
+    rows = group_rows(seed=3)
+    mask = np.asarray(rows.loss_mask) * (np.asarray(rows.group_ids) != 1)[:, None]  # group 1 trains nothing
+    positions, groups = np.asarray(rows.positions), np.asarray(rows.group_ids)
+    anchors = np.where(mask > 0, groups[:, None] * 4 + positions // 12, -1).astype(np.int32)  # shared within groups
+    rows = rows.replace(loss_mask=mask.astype(np.float32), step_groups=anchors)
+    batch = pack_groups(rows, rows_per_unit=8, num_units=2)
+    kept = np.asarray(rows.group_ids) != 1
+    np.testing.assert_array_equal(np.asarray(batch.step_groups)[:12], anchors[kept])  # each row's own, in its unit
+    assert np.all(np.asarray(batch.step_groups)[12:] == -1)
+    config = make_update(MODEL, advantage="gigpo", gamma=0.9, num_microbatches=2, kl_coef=0.05, logprobs_at="loss")
+    got = _rl_step(config, batch)
+    want = _rl_step(replace(config, logprobs_at="all"), plain(batch))
+    assert_same_step(got, want, np.asarray(batch.loss_mask) > 0)
+    grpo = _rl_step(make_update(MODEL, num_microbatches=2, kl_coef=0.05, logprobs_at="loss"), batch)  # the step's part
+    assert np.abs(np.asarray(grpo[0].advantages) - np.asarray(got[0].advantages)).max() > 0.1
+
+
 def test_sft_and_lora_on_packed_rows_equal_the_plain_update():
     batch = pack_groups(group_rows(seed=2), rows_per_unit=4)
     spec = tuning.Tuning(lora_rank=2, lora_alpha=4.0, trainable_layers=1)

@@ -531,7 +531,8 @@ def gather_trajectories(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 
 def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable[[int], int],
                        mesh: jax.sharding.Mesh, rules: BatchFilter, min_len: int = 64, *,
-                       rows_per_unit: int = 0, unit_multiple: int = 1) -> tuple[TokenBatch, dict[str, float]]:
+                       rows_per_unit: int = 0, unit_multiple: int = 1,
+                       anchor_states: bool = False) -> tuple[TokenBatch, dict[str, float]]:
     """The update's batch of every process's `trajectories` (untrained rows masked by `rules`,
     `rollout/rl_batch.py`) and its counts summed over processes: `[rows, seq]` with rows in
     process order and each process's rows padded to its equal share of `padded_rows(all rows)`.
@@ -541,6 +542,7 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     same number of units (a multiple of `unit_multiple` in all) and the same packed width; the
     plain batch where no process's rows share a token. `packed_token_fraction` counts what the
     packed rows hold of the rows' tokens (1 where nothing is shared; no such count unpacked).
+    `anchor_states`: with GiGPO's anchor states (`rollout/batch.step_groups`).
 
     On one process it is the host batch (the jitted step places it); on several, global arrays
     (group ids made unique across processes; whole groups stay on one process, so the masking is
@@ -551,7 +553,8 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     rows = padded_rows(len(trajectories) * n)
     if rows % n:
         raise ValueError(f"{rows} padded rows do not split over {n} processes")
-    batch, counts = training_batch(trajectories, rules, seq_len=bucket(longest, min_len), batch_size=rows // n)
+    batch, counts = training_batch(trajectories, rules, seq_len=bucket(longest, min_len), batch_size=rows // n,
+                                   anchor_states=anchor_states)
     if rows_per_unit:
         batch, counts["packed_token_fraction"] = _packed(batch, rows_per_unit, unit_multiple, min_len)
     if n == 1:
@@ -560,6 +563,9 @@ def global_token_batch(trajectories: Sequence[Trajectory], padded_rows: Callable
     if rows_per_unit:  # the processes' mean (plain rows report none, as on one process)
         counts["packed_token_fraction"] /= n
     batch = batch.replace(group_ids=batch.group_ids + jax.process_index() * batch.tokens.shape[0])  # unique ids
+    if batch.step_groups is not None:  # below the global token count, as the segment sums assume
+        batch = batch.replace(step_groups=np.where(batch.step_groups >= 0, batch.step_groups + jax.process_index()
+                                                   * batch.step_groups.size, -1).astype(np.int32))
     return distributed.rows_from_processes(batch, partition.batch_sharding(mesh)), counts
 
 

@@ -1,4 +1,4 @@
-"""Advantage estimators for multi-turn trajectories: GRPO, Dr. GRPO, RLOO, REINFORCE++, GAE.
+"""Advantage estimators for multi-turn trajectories: GRPO, Dr. GRPO, RLOO, REINFORCE++, GAE, GiGPO.
 
 Data layout (shared by everything in `rl/` and by the trainer). A batch of multi-turn trajectories
 is stored as token-level arrays `[batch, seq]`, one row per trajectory, turns concatenated:
@@ -13,6 +13,9 @@ and per trajectory `[batch]`:
   group_ids      integer id of the task a trajectory answers; the n samples of one task share it
                  (GRPO / RLOO groups). Any integers, in any order, not necessarily contiguous
   scores         the trajectory's scalar outcome (by default the sum of its policy-token rewards)
+and, for GiGPO, per token `[batch, seq]`:
+  step_groups    the anchor state of each policy token's turn: turns of one group that start from
+                 identical observations share an id (`rollout/batch.py`); -1 off the policy tokens
 
 Only rewards on policy tokens count: every estimator reads `token_rewards` through `loss_mask`.
 Each estimator returns `(advantages, returns)`, both `[batch, seq]` and 0 off the mask. The
@@ -181,12 +184,57 @@ def gae(
     return advantages, returns
 
 
+def gigpo(
+    token_rewards: jax.Array,  # [batch, seq]
+    loss_mask: jax.Array,  # [batch, seq]
+    group_ids: jax.Array,  # [batch] int
+    scores: jax.Array,  # [batch]
+    step_groups: jax.Array,  # [batch, seq] int: each policy token's anchor state, -1 elsewhere
+    *,
+    gamma: float = 0.95,
+    step_weight: float = 1.0,
+    epsilon: float = 1e-6,
+) -> tuple[jax.Array, jax.Array]:
+    """GiGPO (Feng et al. 2025): GRPO's episode advantage plus `step_weight` times a step advantage.
+
+    The step advantage compares the turns a group's episodes took from the same state (an *anchor
+    state*: `step_groups`, the same id on every policy token of those turns, from identical
+    observations): `(R_t - mean_s) / (std_s + epsilon)` over the turns of anchor state s, where
+    `R_t = r_t + gamma * R_{t+1}` is the turn's discounted return; a state visited once gets 0.
+    A move into a wall that leaves the observation unchanged is compared with what the episodes
+    did next from that very state, so a wasted turn costs even in a successful episode, which
+    GRPO alone reinforces with it. No critic, no extra rollouts.
+    """
+    check_same_shape(token_rewards=token_rewards, loss_mask=loss_mask, step_groups=step_groups)
+    check_hparams(lambda v: 0 <= v <= 1, "in [0, 1]", gamma=gamma)
+    check_hparams(lambda v: v >= 0, ">= 0", step_weight=step_weight)
+    episode, _ = grpo(scores, loss_mask, group_ids, epsilon=epsilon)
+    _, returns = reinforce_plus_plus(token_rewards, loss_mask, gamma=gamma, discount="turn")  # R_t on turn t's tokens
+    segments = step_groups.size  # ids are < the batch's token count: a static bound
+    ids = jnp.where(loss_mask > 0, step_groups, -1).reshape(-1)
+    index = jnp.where(ids >= 0, ids, 0)
+    once = (turn_ends(loss_mask) & (step_groups >= 0)).reshape(-1)  # each turn counted at its last token
+    returns = returns.reshape(-1)
+
+    def state_sum(x):  # [tokens] -> per token the sum over its anchor state's turns
+        return jax.ops.segment_sum(jnp.where(once, x, 0.0), index, segments)[index]
+
+    count = state_sum(jnp.ones_like(returns))
+    top = jax.ops.segment_max(jnp.where(once, returns, -jnp.inf), index, segments)[index]
+    shifted = returns - top  # an anchor state whose turns all returned the same centres to exactly 0
+    centered = shifted - state_sum(shifted) / jnp.maximum(count, 1.0)
+    std = jnp.sqrt(state_sum(centered**2) / jnp.maximum(count - 1.0, 1.0))
+    step = jnp.where((ids >= 0) & (count > 1), centered / (std + epsilon), 0.0).reshape(loss_mask.shape)
+    advantages = jnp.where(loss_mask > 0, episode + step_weight * step, 0.0)
+    return advantages, advantages
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimator:
     """An advantage estimator and what the trainer must know of it.
 
     `fn` takes its array inputs by name (any of `token_rewards`, `loss_mask`, `values`,
-    `group_ids`, `scores`, positional) and then its keyword hyper-parameters, and returns
+    `group_ids`, `scores`, `step_groups`, positional) and then its keyword hyper-parameters, and returns
     `(advantages, returns)`, both `[batch, seq]`.
     """
 
@@ -210,6 +258,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "rloo": Estimator(rloo, needs_groups=True),
     "reinforce_plus_plus": Estimator(reinforce_plus_plus, hparams=("gamma", "discount", "epsilon")),
     "gae": Estimator(gae, hparams=("gamma", "lam", "discount", "whiten", "epsilon"), needs_critic=True),
+    "gigpo": Estimator(gigpo, hparams=("gamma", "step_weight", "epsilon"), needs_groups=True),
 }
 
 
@@ -228,6 +277,7 @@ def compute_advantages(
     values: jax.Array | None = None,  # [batch, seq]
     group_ids: jax.Array | None = None,  # [batch]
     scores: jax.Array | None = None,  # [batch]; default: sequence_scores(token_rewards, loss_mask)
+    step_groups: jax.Array | None = None,  # [batch, seq]: anchor states (`gigpo`)
     **hparams,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the estimator named `estimator` on the batch fields it needs, with its `hparams`.
@@ -238,7 +288,8 @@ def compute_advantages(
     spec = get_estimator(estimator)
     if scores is None:
         scores = sequence_scores(token_rewards, loss_mask)
-    available = dict(token_rewards=token_rewards, loss_mask=loss_mask, values=values, group_ids=group_ids, scores=scores)
+    available = dict(token_rewards=token_rewards, loss_mask=loss_mask, values=values, group_ids=group_ids, scores=scores,
+                     step_groups=step_groups)
     if unknown := sorted(set(hparams) - set(spec.hparams)):
         raise ValueError(f"{estimator} takes no {unknown}; valid: {sorted(spec.hparams)}")
     if missing := [field for field in spec.inputs if available[field] is None]:

@@ -56,6 +56,9 @@ class TokenBatch:
     # A mixture of experts' routing as the sampler recorded it (`Trajectory.experts`): [batch, seq,
     # layers, k] int16, -1 where none (off the loss mask); None: not recorded.
     experts: jax.Array | None = None
+    # GiGPO's anchor states: [batch, seq] int32, on each policy token the id of the state its turn
+    # started from (`step_groups`), -1 elsewhere; None: not built (no estimator reads it).
+    step_groups: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,12 +103,14 @@ def make_token_batch(
     seq_len: int | None = None,
     batch_size: int | None = None,
     pad_id: int = 0,
+    anchor_states: bool = False,
 ) -> TokenBatch:
     """Right-pads trajectories to `[batch_size, seq_len]` (buckets by default).
 
     Padding rows have an all-zero mask and a group id of their own, so they contribute nothing.
     Group ids are renumbered densely (0..num_groups-1) in order of first appearance. Where a
     trajectory recorded its experts, `experts` holds every row's (-1 where a row has none).
+    `anchor_states`: `step_groups` built too (`step_groups`).
     """
     longest = max((len(t.token_ids) for t in trajectories), default=1)
     seq_len = seq_len or bucket(longest)
@@ -148,7 +153,26 @@ def make_token_batch(
         group_ids=group_ids,
         scores=scores,
         experts=_expert_rows(trajectories, batch_size, seq_len),
+        step_groups=step_groups(trajectories, batch_size, seq_len) if anchor_states else None,
     )
+
+
+def step_groups(trajectories: Sequence[Trajectory], batch_size: int, seq_len: int) -> np.ndarray:
+    """[batch_size, seq_len] int32: on the policy tokens of each turn, the id of its anchor state,
+    -1 elsewhere. Turns of one group share an id where the ids before them since the previous
+    turn (the observation and its template; the prompt before a first turn) are identical: the
+    same state seen again, in another episode or after a no-op in the same one. Ids are dense
+    from 0 (fewer than the policy tokens, as `advantages.gigpo`'s segment sums assume)."""
+    ids = np.full((batch_size, seq_len), -1, np.int32)
+    dense: dict[tuple[int, bytes], int] = {}
+    for row, t in enumerate(trajectories):
+        tokens, mask = np.asarray(t.token_ids, np.int32), np.asarray(t.loss_mask, bool)
+        previous_end = 0
+        for start, end in t.turn_spans:
+            state = dense.setdefault((t.group_id, tokens[previous_end:start].tobytes()), len(dense))
+            ids[row, start:end] = np.where(mask[start:end], state, -1)
+            previous_end = end
+    return ids
 
 
 def _expert_rows(trajectories: Sequence[Trajectory], batch_size: int, seq_len: int) -> np.ndarray | None:

@@ -165,6 +165,7 @@ def _reordered(batch: TokenBatch, order: np.ndarray) -> TokenBatch:
         old_logprobs=take(batch.old_logprobs, 0), token_rewards=take(batch.token_rewards, 0),
         group_ids=group_ids, scores=take(batch.scores, 0),
         experts=None if batch.experts is None else take(batch.experts, -1),
+        step_groups=None if batch.step_groups is None else take(batch.step_groups, -1),
     )
 
 

@@ -111,9 +111,10 @@ def signal_groups(trajectories: Sequence[Trajectory], rules: BatchFilter) -> set
 
 
 def training_batch(
-    trajectories: Sequence[Trajectory], rules: BatchFilter, *, seq_len: int, batch_size: int
+    trajectories: Sequence[Trajectory], rules: BatchFilter, *, seq_len: int, batch_size: int, anchor_states: bool = False
 ) -> tuple[TokenBatch, dict[str, float]]:
-    """The padded batch of `trajectories` with untrained rows masked, and what was left out."""
+    """The padded batch of `trajectories` with untrained rows masked, and what was left out
+    (`anchor_states`: with GiGPO's `step_groups`)."""
     groups = _groups(trajectories, rules)
     trajectories, trained, members, uniform = groups.trajectories, groups.trained.copy(), groups.members, groups.uniform
     unscored = sum(not t.status.is_scored for t in trajectories)
@@ -122,7 +123,7 @@ def training_batch(
     for g in dropped:
         trained[members[g]] = False
 
-    batch = make_token_batch(trajectories, seq_len=seq_len, batch_size=batch_size)
+    batch = make_token_batch(trajectories, seq_len=seq_len, batch_size=batch_size, anchor_states=anchor_states)
     rows = np.zeros((batch_size,), bool)
     rows[: len(trajectories)] = trained
     batch = batch.replace(loss_mask=np.where(rows[:, None], batch.loss_mask, 0.0).astype(np.float32))

@@ -138,7 +138,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
             batch, batch_metrics = setup.global_token_batch(  # unscored episodes masked, dynamic sampling, overlong;
-                trajectories, step_rows, mesh, rules, **packed)  # empty rows: rows divide over the mesh
+                trajectories, step_rows, mesh, rules, **packed,  # empty rows: rows divide over the mesh
+                anchor_states="step_groups" in update.rl.estimator.inputs)
             t1 = time.time()
             rl_batch, prep_metrics = step_fns.prepare(state.policy_params, state.policy_of(ref_params), batch,
                                                      *(c.params for c in critic))

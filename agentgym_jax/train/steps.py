@@ -166,9 +166,9 @@ class RLSpec:
         traced once on abstract [1, 2] rows, so a bad value stops the job before any work."""
         row = jax.ShapeDtypeStruct((1, 2), jnp.float32)
         mask = jax.ShapeDtypeStruct((1, 2), jnp.bool_)
-        jax.eval_shape(lambda r, m, v, g: compute_advantages(self.advantage, token_rewards=r, loss_mask=m, values=v,
-                                                              group_ids=g, **dict(self.advantage_hparams)),
-                       row, mask, row, jax.ShapeDtypeStruct((1,), jnp.int32))
+        jax.eval_shape(lambda r, m, v, g, s: compute_advantages(self.advantage, token_rewards=r, loss_mask=m, values=v,
+                                                                 group_ids=g, step_groups=s, **dict(self.advantage_hparams)),
+                       row, mask, row, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 2), jnp.int32))
         jax.eval_shape(lambda lp, m: self.loss.fn(lp, lp, lp, m, agg_mode="token-mean", **dict(self.loss_hparams)), row, mask)
 
     @property
@@ -291,6 +291,7 @@ def prepare(
         loss_mask=mask,
         values=values if rl.uses_critic else None,
         group_ids=batch.group_ids,
+        step_groups=batch.step_groups,
         **dict(rl.advantage_hparams),
     )
     metrics = {**score_metrics, **_advantage_metrics(advantages, mask)}
