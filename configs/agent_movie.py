@@ -60,7 +60,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.max_cache_len = 1536 + 1024  # the first prompt (instruction, tool block, observation: ~1,370 ids) + the episode
     config.rollout.batch_tasks = 2
     config.rollout.group_size = 4
-    config.algo.num_microbatches = 4  # 2 of 8 rows at a time
+    config.algo.num_microbatches = 2  # one group at a time: its 4 rows packed as one prefix tree (algo.shared_prefix,
+    #   from configs/smollm.py), the ~1,370-id prompt once: ~2,700 positions
     config.horizon_schedule.horizons = (3, 5)
     config.train.steps = 6
     config.horizon_schedule.steps_per_stage = 3

@@ -6,6 +6,7 @@ ones."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pathlib
 import re
 import subprocess
@@ -264,3 +265,25 @@ def test_a_job_finds_its_servers_by_the_configs_name_for_the_environment():
     two = dataclasses.replace(job, infos={**job.infos, "room": info}, urls={**job.urls, "room": []})
     with pytest.raises(ValueError, match="the job has 2 environments"):
         two.pool()
+
+
+def _rl_recipes() -> list[str]:
+    """Every `configs/<file>[:<arg>]` a docstring or README names that runs `mode=rl`."""
+    from configs import cpu, smollm
+
+    return ["quickstart", "quickstart_async", "textcraft_grpo", "babyai_scalinginter", "agent_movie", "agent_movie:engine",
+             *(f"{env}_cpu" for env in ("maze", "textcraft", "babyai", "wordle", "guess_the_number", "movie", "search", "sql")),
+             *(f"{env}_smollm" for env in ("textcraft", "babyai", "maze", "wordle")),
+             *(f"cpu:{env}" for env in cpu.RECIPES), *(f"smollm:{env}" for env in smollm.RECIPES),
+             *(f"smollm:{env}_replay" for env in smollm.REPLAY)]
+
+
+@pytest.mark.parametrize("recipe", _rl_recipes())
+def test_every_rl_recipe_cuts_its_step_into_its_micro_batches(recipe):
+    """A recipe's own step (its tasks x samples, or its groups when packed) divides into its mini-
+    and micro-batches on one device: what the job checks when it opens, here without a model."""
+    name, _, arg = recipe.partition(":")
+    config = importlib.import_module(f"configs.{name}").get_config(arg)
+    assert config.mode == "rl"
+    update = settings.update(config, MODEL, objective="rl")
+    settings.check_step_rows(config, update, lambda rows: rows)
