@@ -92,9 +92,7 @@ def length_buckets(seq: int, count: int, multiple: int = 64, spacing: str = "hal
     spread over octaves (episodes of 1 to 12 turns); or `seq * k / count`, evenly spaced, for parts
     of like lengths (a group's packed prefix tree: 1,000-1,500 positions at width 1,536 all ran at
     the full width between halvings)."""
-    if spacing not in LENGTH_SPACINGS:
-        raise ValueError(f"length_spacing must be one of {LENGTH_SPACINGS}, got {spacing!r}")
-    if spacing == "halving":
+    if spacing == "halving":  # else "even"; `Batching` refuses any other
         lengths = (seq >> i for i in range(count))
     else:
         lengths = (-(-seq * (count - i) // count) for i in range(count))
