@@ -106,6 +106,10 @@ class Progress:
         self._lock = threading.Lock()  # the heartbeat thread and the caller both write
         self._start = self._last_time = time.monotonic()
         self._initial = self._last_n = initial
+        # The rate a line shows: from when the count last shown was reached to when the count is
+        # (heartbeat lines in between write the same count, and move neither).
+        self._rate_time = self._changed_time = self._start
+        self._rate_n = initial
         self._show_at = self._start + show_after_s
         self._shown = False
         self._stop = threading.Event()
@@ -131,6 +135,8 @@ class Progress:
             if not self._enabled:
                 return
             now = time.monotonic()
+            if done:
+                self._changed_time = now
             if not self._shown:
                 if now < self._show_at:
                     return
@@ -165,8 +171,8 @@ class Progress:
         """The plain line for the current count:
         `<desc> <n>/<total> <unit> | <s>/<item> | <elapsed> | ETA <left> | k=v ...`."""
         parts = [f"{self.desc} {self.n}/{self.total} {_plural(self.unit)}"]
-        if self.n > self._last_n:  # the rate since the last line: recent, not averaged over the phase
-            parts.append(f"{(now - self._last_time) / (self.n - self._last_n):.3g} s/{self.unit}")
+        if self.n > self._rate_n and self._changed_time > self._rate_time:  # recent, not averaged over the phase
+            parts.append(f"{(self._changed_time - self._rate_time) / (self.n - self._rate_n):.3g} s/{self.unit}")
         parts.append(f"{_format_duration(now - self._start)} elapsed")
         eta = self.eta_s(now)
         if eta is not None:
@@ -189,6 +195,8 @@ class Progress:
     def _print(self, now: float) -> None:
         print(self._line(now), file=self._stream, flush=True)
         self._last_time, self._last_n = now, self.n
+        if self.n > self._rate_n:
+            self._rate_time, self._rate_n = self._changed_time, self.n
 
     def _tick(self) -> bool:
         """(the heartbeat) Shows a phase that reached `show_after_s`, keeps a bar's clock and ETA

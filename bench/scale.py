@@ -13,7 +13,8 @@ is a `jax.ShapeDtypeStruct` carrying its sharding over the config's mesh, and ea
 script sets XLA_FLAGS before JAX starts). The steps, in the order an RL step runs them:
 
 - `append`: the sampler writes a `--chunk`-token chunk (a prompt, an observation) for every
-  episode into a full-length KV cache (`rollout.max_cache_len` slots);
+  episode into a full-length KV cache (`rollout.max_cache_len` slots); `fill` where that passes
+  `rollout.fill_tokens` (the sampler then fills as many rows at a time as fit in it);
 - `decode`: the sampler samples one turn (`rollout.max_tokens_per_turn` tokens) over that cache;
 - `prepare`: log-probs of the policy and the reference, advantages, over the whole batch;
 - `rl_update`: `ppo_epochs` x `num_minibatches` optimizer updates (the state donated).
@@ -199,7 +200,7 @@ def compile_steps(
     r = config.rollout
     sampling = SamplingConfig(max_new_tokens=r.max_tokens_per_turn, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
     make_sampler = functools.partial(Sampler.sharded_decoder, model, sampling, mesh, max_cache_len=r.max_cache_len,
-                                     dtype=config.model.compute_dtype)
+                                     dtype=config.model.compute_dtype, fill_tokens=r.fill_tokens)
     sampler = make_sampler()
     weights = with_shardings(jax.eval_shape(sampler.sampling_params, state.params), sampler.shardings.params)
     opt = (state.opt_state, state.step, state.rng, state.skipped_updates)
@@ -244,16 +245,31 @@ def turn_spec(sampler: Sampler, batch: int) -> Turn:
     return Turn(active=sds((batch,), bool), count=counts, limit=counts, forced=counts, seeds=sds((batch, 2), jnp.int32), stop=counts)
 
 
+def fill_step(config, sampler, weights, cache, logits, chunk, resident) -> Step:
+    """A fill of a `chunk`-token chunk into as many rows as the sampler fills at once
+    (`Sampler.fill_rows`), over the full cache."""
+    batch = logits.shape[0]
+    rep = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sampler.shardings.replicated)  # noqa: E731
+    k = min(batch, sampler.fill_rows(chunk))
+    fill = (weights, cache, logits, rep((k,), jnp.int32), rep((k,), bool), rep((k, chunk), jnp.int32), rep((k,), jnp.int32))
+    return compile_step("fill", sampler._fill, (config.rollout.max_cache_len, *fill), resident)
+
+
 def turn_steps(config, model, sampler, weights, rows, chunk, resident) -> list[Step]:
     """The turn-batched engine's steps (`rollout.num_slots=0`): every episode is a sampler row;
-    an append of a `chunk`-token chunk per row into the full cache, then a turn's decode."""
+    an append of a `chunk`-token chunk per row into the full cache (in fills of some rows where
+    every row's chunk would pass `Sampler.fill_tokens`, as `Sampler.append` does), then a turn's decode."""
     r = config.rollout
     cache, logits = sampler_arrays(sampler, model, rows, r.max_cache_len)
     tokens = jax.ShapeDtypeStruct((rows, chunk), jnp.int32, sharding=sampler.shardings.batch)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sampler.shardings.batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sampler.shardings.replicated)
+    if rows * chunk > sampler.fill_tokens:
+        write = fill_step(config, sampler, weights, cache, logits, chunk, resident)
+    else:
+        write = compile_step("append", sampler._append, (weights, cache, logits, tokens, lengths), resident)
     return [
-        compile_step("append", sampler._append, (weights, cache, logits, tokens, lengths), resident),
+        write,
         compile_step("decode", sampler._decode, (r.max_tokens_per_turn, False, weights, cache, logits,
                                                  turn_spec(sampler, rows), rng), resident),
     ]
@@ -269,13 +285,11 @@ def slot_steps(config, model, sampler, weights, rows, chunk, resident) -> list[S
     batch = buckets.bucket(r.num_slots, sampler.batch_buckets, "number of slots")
     cache, logits = sampler_arrays(sampler, model, batch, r.max_cache_len)
     rep = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sampler.shardings.replicated)  # noqa: E731
-    k = min(batch, sampler.fill_buckets[-1])  # the sampler fills at most this many rows per call
-    fill = (weights, cache, logits, rep((k,), jnp.int32), rep((k,), bool), rep((k, chunk), jnp.int32), rep((k,), jnp.int32))
     rng = rep((2,), jnp.uint32)
     every_row = rep((batch,), jnp.int32)  # every slot's turn in progress: the largest gather
     decode = (r.decode_chunk, False, r.max_cache_len, weights, cache, logits, turn_spec(sampler, batch), rng, every_row)
     return [
-        compile_step("fill", sampler._fill, (r.max_cache_len, *fill), resident),
+        fill_step(config, sampler, weights, cache, logits, chunk, resident),
         compile_step("decode_rows", sampler._decode_rows, decode, resident),
     ]
 
@@ -352,17 +366,18 @@ def run_steps(config, model, mesh, sampler, steps, init_state, state_shardings) 
     compute = settings.forward_pass(config, model).compute_dtype
     ref_params = jax.jit(functools.partial(reference_params, compute_dtype=compute), out_shardings=state_shardings.params)(state.params)
     print(f"\nallocated: train state + reference, peak so far {peak_memory_gib(devices)} GiB per device")
-    write, decode = steps[:2]  # the sampler's (append, decode), or with slots (fill, decode_rows)
+    write, decode = steps[:2]  # the sampler's (append or fill, decode), or with slots (fill, decode_rows)
     weights = sampler.sampling_params(state.params)
     *_, tokens, lengths = write.args
-    rows, chunk = tokens.shape
+    k, chunk = tokens.shape  # the rows one write computes
+    rows = next(a for a in decode.args if isinstance(a, Turn)).count.shape[0]  # the cache's
     rng = np.random.default_rng(1)
     put = lambda x, like: jax.device_put(x, like.sharding)  # noqa: E731
     cache = sampler._init_cache(rows, config.rollout.max_cache_len)
     logits = jax.device_put(np.zeros((rows, model.vocab_size), np.float32), sampler.shardings.batch)
-    chunks = (rng.integers(0, model.vocab_size, (rows, chunk)).astype(np.int32), np.full(rows, chunk, np.int32))
-    if write.name == "fill":  # every row, each starting empty
-        chunks = (np.arange(rows, dtype=np.int32), np.ones(rows, bool), *chunks)
+    chunks = (rng.integers(0, model.vocab_size, (k, chunk)).astype(np.int32), np.full(k, chunk, np.int32))
+    if write.name == "fill":  # the first rows, each starting empty
+        chunks = (np.arange(k, dtype=np.int32), np.ones(k, bool), *chunks)
     cache, logits = timed_call(write.name, weights, cache, logits, *map(put, chunks, write.args[-len(chunks):]))
     turn = Turn.start(np.ones(rows, bool), np.full(rows, config.rollout.max_tokens_per_turn, np.int32))
     turn = Turn(*map(put, turn, next(a for a in decode.args if isinstance(a, Turn))))

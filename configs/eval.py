@@ -77,5 +77,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.lock_step = False  # True: every turn waits for all episodes (reproducible sampling)
     config.rollout.num_slots = 0  # as in configs/quickstart.py: 0 turn-batched, > 0 continuous batching over that many rows
     config.rollout.decode_chunk = 8  # slots: decode steps between refills
+    config.rollout.fill_tokens = 8192  # tokens one sampler fill (prompts, observations) computes at most: bounds its memory
     config.rollout.tool_calls = False  # function calling: tools in the prompt, replies read as calls (docs/tools.md)
     return config

@@ -56,4 +56,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.rollout.top_k = 0
     config.rollout.top_p = 1.0
     config.rollout.decode_chunk = 16  # decode steps between admitting new requests
+    config.rollout.fill_tokens = 8192  # tokens one sampler fill (prompts, observations) computes at most: bounds its memory
     return config

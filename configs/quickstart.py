@@ -105,6 +105,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # (bench/rollout.py --workload=ragged).
     config.rollout.num_slots = 0
     config.rollout.decode_chunk = 8  # slots: decode steps between refills (shorter: rows idle less at turn ends)
+    config.rollout.fill_tokens = 8192  # tokens one sampler fill (prompts, observations) computes at most: bounds its memory
     # Function calling (docs/tools.md): the tools in the prompt, replies read as calls, answers as tool
     # messages; for a tool environment's demonstrations set sft.oracle=tool_call and action_format={action}.
     config.rollout.tool_calls = False

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -183,7 +184,7 @@ def test_misbehaving_agents_end_as_documented_and_the_job_goes_on(online_job):
     assert sorted(metrics) == [1, 2] and sum(m["status/infra_error"] for m in metrics.values()) == infra
 
 
-def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online_job, tmp_path):
+def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online_job, tmp_path, capfd):
     workdir, _, _ = online_job
     config = eval_config.get_config()
     config.policy, config.envs, config.task_ids, config.group_size = f"checkpoint:{workdir}", "room", "2", 2
@@ -199,6 +200,10 @@ def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online
     assert len(tasks) == 2 and sorted((t.task_id, t.sample_idx) for t in records) == [(t, s) for t in tasks for s in (0, 1)]
     assert all(t.token_ids and sum(t.loss_mask) for t in records)
     assert len((tmp_path / "agent_episodes.jsonl").read_text().splitlines()) == 4
+    # Its progress counts the replies the gateway sampled, not zeros (one conversation an episode here).
+    last = [line for line in capfd.readouterr().err.splitlines() if " 4/4 episodes" in line][-1]
+    turns, tokens = (int(re.search(rf"{k}=(\d+)", last).group(1)) for k in ("turns", "tokens"))
+    assert (turns, tokens) == (sum(t.num_turns for t in records), sum(sum(t.loss_mask) for t in records)), last
 
     # A hanging agent: given up after env.agent_timeout_s, counted in the report's denominator, the run goes on.
     config.env.agent, config.env.agent_timeout_s, config.group_size = "tests.agent_programs:hanging", 3.0, 1

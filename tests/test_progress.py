@@ -126,7 +126,7 @@ def test_a_batch_whose_episodes_finish_together_shows_turns_tokens_and_an_eta(cl
         "eval before RL 0/64 episodes | 0:00 elapsed",
         "eval before RL 0/64 episodes | 0:30 elapsed | ETA 1:30 | turns=128 tokens=4000",
         "eval before RL 0/64 episodes | 0:45 elapsed | ETA 2:15 | turns=128 tokens=4000",
-        "eval before RL 64/64 episodes | 0.234 s/episode | 1:00 elapsed | turns=400 tokens=9000",
+        "eval before RL 64/64 episodes | 0.938 s/episode | 1:00 elapsed | turns=400 tokens=9000",
     ]
     terminal = Terminal()
     with Progress("eval", 64, "episode", enabled=True, stream=terminal) as progress:
@@ -144,12 +144,31 @@ def test_a_phase_shown_after_a_while_stays_quiet_when_short(clock):
     assert log.getvalue() == ""
     clock.now = 100.0
     with Progress("step 4 rollout", 8, "episode", enabled=True, interval_s=10, show_after_s=10, stream=log) as long:
+        clock.now = 104.0
         long.set(2, work=0.5, turns=20)
         clock.now = 112.0  # the heartbeat shows it
-        assert wait_for_lines(log, 1) == ["step 4 rollout 2/8 episodes | 6 s/episode | 0:12 elapsed | ETA 0:12 | turns=20"]
+        assert wait_for_lines(log, 1) == ["step 4 rollout 2/8 episodes | 2 s/episode | 0:12 elapsed | ETA 0:12 | turns=20"]
         clock.now = 120.0
         long.set(8, work=1.0, turns=40)
-    assert log.getvalue().splitlines()[-1] == "step 4 rollout 8/8 episodes | 1.33 s/episode | 0:20 elapsed | turns=40"
+    assert log.getvalue().splitlines()[-1] == "step 4 rollout 8/8 episodes | 2.67 s/episode | 0:20 elapsed | turns=40"
+
+
+def test_the_rate_is_the_time_between_counts_whatever_the_heartbeat_writes_between(clock):
+    """A batch every 90 s with a line every 10 s in between: each new count's line says 90 s
+    a batch (the lines in between move nothing), and the ETA follows from the counts."""
+    log = io.StringIO()
+    with Progress("sft", 8, "batch", enabled=True, interval_s=10, stream=log) as progress:
+        clock.now = 80.0
+        progress.set(1)
+        for tick in range(90, 170, 10):  # the heartbeat's lines, the count still 1
+            clock.now = float(tick)
+            wait_for_lines(log, 2 + (tick - 80) // 10)
+        clock.now = 170.0
+        progress.set(2)
+    lines = log.getvalue().splitlines()
+    assert lines[1] == "sft 1/8 batches | 80 s/batch | 1:20 elapsed | ETA 9:20"
+    assert all(" s/batch" not in line for line in lines[2:-1]), lines
+    assert lines[-1] == "sft 2/8 batches | 90 s/batch | 2:50 elapsed | ETA 8:30"
 
 
 def _report(before: float, after: float, tasks: int = 64) -> dict:

@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from agentgym_jax.config import ConfigError
 from agentgym_jax.envs.protocol import TaskInfo
 from agentgym_jax.job import play, setup
+from agentgym_jax.job import settings as job_settings
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from agentgym_jax.rl.losses import POLICY_LOSSES
@@ -111,6 +112,12 @@ def test_bad_update_values_are_config_errors(overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         settings.update(parse(*overrides), MODEL, objective="rl")
+
+
+def test_bad_rollout_values_are_config_errors():
+    with pytest.raises(ConfigError, match="fill_tokens must be >= 1, got 0"):
+        job_settings.rollout(parse("--config.rollout.fill_tokens=0"))
+    assert job_settings.rollout(parse("--config.rollout.fill_tokens=4096")).fill_tokens == 4096
 
 
 def test_bad_filter_values_are_config_errors():

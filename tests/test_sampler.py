@@ -384,6 +384,42 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
     assert int(np.asarray(slots.cache.index)[4]) == 2
 
 
+def test_fills_over_the_token_budget_go_in_parts_and_write_the_same_cache():
+    """`fill_tokens` bounds the rows one fill computes (rows x chunk width: what its attention
+    holds grows with it), never more rows than the cache has; the parts write the cache and
+    next-token logits of one fill of every row, for `fill` and for the turn-batched `append`."""
+    params = toy_params(7)
+    config = SamplingConfig(max_new_tokens=4, temperature=1.0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 30, n).tolist() for n in (11, 15, 9, 13, 16)]  # width 16 each
+    observations = [rng.integers(1, 30, n).tolist() for n in (5, 16, 12, 3, 8)]
+    kw = dict(batch_buckets=(6,), cache_buckets=(32, 64), fill_buckets=(1, 2, 4, 8))
+    results = []
+    for fill_tokens in (8192, 32):  # one call of every row, then calls of 32 // 16 = 2 rows
+        sampler = toy_sampler(config, max_cache_len=64, fill_tokens=fill_tokens, **kw)
+        called, fill = [], sampler._fill
+        sampler._fill = lambda slots, *args, fill=fill, called=called: called.append(args[-2].shape) or fill(slots, *args)
+        slots = sampler.init_slots(params, 5)
+        index = np.zeros(6, np.int64)
+        slots = sampler.fill(params, slots, [4, 0, 2, 1, 3], prompts, [True] * 5, index)
+        index[[4, 0, 2, 1, 3]] = [len(p) for p in prompts]
+        slots = sampler.fill(params, slots, [4, 0, 2, 1, 3], observations, [False] * 5, index)
+        batched = sampler.prefill(params, prompts)
+        batched, _ = sampler.append(params, batched, observations)
+        results.append((slots, batched, called))
+    (one, one_batched, whole), (parts, parts_batched, split) = results
+    assert whole == [(6, 16)] * 2 + [(6, 16)]  # the 5 rows' bucket of 8 capped at the cache's 6 rows
+    assert split == [(2, 16), (2, 16), (1, 16)] * 4  # fill, fill, prefill in parts of 2 rows; the append too
+    for a, b in ((one, parts), (one_batched, parts_batched)):
+        np.testing.assert_array_equal(np.asarray(a.cache.positions), np.asarray(b.cache.positions))
+        np.testing.assert_array_equal(np.asarray(a.cache.index), np.asarray(b.cache.index))
+        for x, y in ((a.cache.k, b.cache.k), (a.cache.v, b.cache.v)):  # (the cache's 6th row is padding)
+            np.testing.assert_allclose(np.asarray(x)[:, :5], np.asarray(y)[:, :5], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a.logits)[:5], np.asarray(b.logits)[:5], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fill_tokens must be >= 1"):
+        toy_sampler(config, fill_tokens=0)
+
+
 def test_forced_turn_lengths():
     """End-of-turn is masked until the forced length and forced at it; forced 0 leaves a row free."""
     params = toy_params(6)

@@ -54,6 +54,7 @@ from agentgym_jax.sampling.sampler import Sampler
 
 EPISODES_NAME = "agent_episodes.jsonl"
 MODEL_NAME = "policy"  # what the agent requests as `model` (its `model` kwarg)
+PROGRESS_EVERY_S = 5.0  # how often an evaluation's progress hears the gateway's replies between episodes' ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,18 +153,31 @@ class AgentPolicy:
                                   len(task_ids), self.spec, self.seed)
         finished = 0
 
+        def report() -> None:  # an agent's turns left are unknown: episodes ended is the share done
+            if on_progress is not None:
+                on_progress(RolloutProgress(finished, len(task_ids), turns=gateway.turns_sampled,
+                                            tokens=gateway.tokens_sampled, turns_left=None))
+
         async def one(i: int, task: int) -> AgentEpisode:
             nonlocal finished
             episode = await play_episode(gateway, base_url, self.spec, task, env=info.env,
                                          env_url=pool.urls[i % len(pool.urls)], horizon=horizon, group_id=i, sample_idx=0,
                                          success_threshold=info.success_threshold)
             finished += 1
-            if on_progress is not None:  # the gateway counts no turns: episodes ended is the progress
-                on_progress(RolloutProgress(finished, len(task_ids), turns=0, tokens=0, turns_left=0))
+            report()
             return episode
 
+        async def watch() -> None:  # the replies as they come, between episodes' ends
+            while True:
+                await asyncio.sleep(PROGRESS_EVERY_S)
+                report()
+
         async with serve_local(gateway) as base_url:
-            episodes = await asyncio.gather(*(one(i, int(task)) for i, task in enumerate(task_ids)))
+            watcher = asyncio.create_task(watch())
+            try:
+                episodes = await asyncio.gather(*(one(i, int(task)) for i, task in enumerate(task_ids)))
+            finally:
+                watcher.cancel()
         await asyncio.to_thread(_append, self.episodes_path, episodes)
         return [e.record for e in episodes]
 

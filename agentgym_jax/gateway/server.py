@@ -119,6 +119,7 @@ class Gateway:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.write_unrewarded, self.log_requests = write_unrewarded, log_requests
         self.in_flight = self.recorded = 0
+        self.turns_sampled = self.tokens_sampled = 0  # replies and their ids, since start (progress)
         self.episodes: dict[str, EpisodeRecord] = {}  # open agent episodes by their API key
         self.warmup = warmup_lengths(sampler, warmup_tokens)
         self.warmed = 0 if self.warmup else None  # shapes compiled so far; None when ready
@@ -273,6 +274,7 @@ class Gateway:
         finally:
             conversation.busy, conversation.last_used = False, time.monotonic()
         conversation.transcript.add_policy_turn(sampled.ids, sampled.logprobs)
+        self.turns_sampled, self.tokens_sampled = self.turns_sampled + 1, self.tokens_sampled + len(sampled.ids)
         conversation.versions += sampled.versions.tolist()
         tokenizer = self.framing.tokenizer
         text = tokenizer.decode(sampled.ids, skip_special_tokens=True)
@@ -425,7 +427,7 @@ def run(config: ml_collections.ConfigDict) -> None:
     write_run_files(config, framing, pathlib.Path(config.out_dir))
     r = config.rollout
     rollout = RolloutConfig(max_tokens_per_turn=r.max_tokens_per_turn, temperature=config.temperature,
-                            top_k=r.top_k, top_p=r.top_p)
+                            top_k=r.top_k, top_p=r.top_p, fill_tokens=r.fill_tokens)
     sampler = setup.make_sampler(config, model, framing, rollout)
     gateway = Gateway(
         sampler, framing, params, config.out_dir,

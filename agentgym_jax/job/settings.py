@@ -58,6 +58,7 @@ def rollout(config: ml_collections.ConfigDict, temperature: float | None = None,
             straggler_wait_s=None if r.lock_step else r.straggler_wait_s,
             num_slots=r.num_slots,
             decode_chunk=r.decode_chunk,
+            fill_tokens=r.fill_tokens,
             tool_calls=r.get("tool_calls", False),
         )
     except ValueError as e:

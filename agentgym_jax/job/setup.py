@@ -520,7 +520,7 @@ def make_sampler(config: ml_collections.ConfigDict, model: ModelConfig, framing:
     sampling = rollout.sampling_config(framing)
     return Sampler.sharded_decoder(
         model, sampling, sampler_mesh(config), max_cache_len=config.rollout.max_cache_len,
-        dtype=config.model.compute_dtype, kernels=settings.attention_kernels(config),
+        dtype=config.model.compute_dtype, kernels=settings.attention_kernels(config), fill_tokens=rollout.fill_tokens,
     )
 
 

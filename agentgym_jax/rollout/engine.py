@@ -92,6 +92,7 @@ class RolloutConfig:
     # decode steps per sampler call; between calls the batch drops the rows whose turn ended (turn-batched)
     # or admits episodes and appends arrived observations (slots)
     decode_chunk: int = 16
+    fill_tokens: int = 8192  # tokens one sampler fill computes at most (`Sampler.fill_rows`): bounds its memory
     tool_calls: bool = False  # function calling: tools in the prompt, replies read as calls, results as tool messages
     # A mixture of experts: keep each policy token's experts (layers x k ids) in its trajectory
     # (`Trajectory.experts`), for the trainer's `routing_mismatch`; off: they are large at real sizes.
@@ -115,6 +116,8 @@ class RolloutConfig:
                 f"num_slots must be >= 0 (0: turn-batched) and decode_chunk >= 1, got num_slots="
                 f"{self.num_slots}, decode_chunk={self.decode_chunk}"
             )
+        if self.fill_tokens < 1:
+            raise ValueError(f"fill_tokens must be >= 1, got {self.fill_tokens}")
 
     def sampling_config(self, framing: ChatFraming, **overrides: Any) -> SamplingConfig:
         """The sampler settings this rollout needs: stop on the framing's end-of-turn id.
@@ -172,14 +175,14 @@ class RolloutProgress(NamedTuple):
     episodes: int
     turns: int
     tokens: int
-    turns_left: int
+    turns_left: int | None  # None: not known (an agent program plays as many as it likes)
 
     @property
     def fraction(self) -> float:
         """The share of the run's turns played, counting those the ended episodes no longer need:
-        how far a batch is while its episodes all finish near its end. Without turn counts (an
+        how far a batch is while its episodes all finish near its end. Without the turns left (an
         agent program's episodes), the share of episodes ended."""
-        if self.turns + self.turns_left == 0:
+        if self.turns_left is None or self.turns + self.turns_left == 0:
             return self.finished / max(self.episodes, 1)
         return self.turns / (self.turns + self.turns_left) if self.turns_left else 1.0
 

@@ -511,8 +511,12 @@ class Sampler:
         sampling_params_fn: SamplingParamsFn | None = None,
         fill_buckets: Sequence[int] | None = None,
         decode_buckets: Sequence[int] | None = None,
+        fill_tokens: int = 8192,
     ):
+        if fill_tokens < 1:
+            raise ValueError(f"fill_tokens must be >= 1, got {fill_tokens}")
         self.config = config
+        self.fill_tokens = fill_tokens
         self.shardings = shardings
         self._sampling_params_fn = sampling_params_fn
         self.max_cache_len = max_cache_len
@@ -750,7 +754,8 @@ class Sampler:
         if len(rows) == 0:
             return state, overflow[: state.num_rows]
         state = state.replace(cache=self._ensure_capacity(state.cache, int((index + lengths).max())))
-        if len(rows) <= self.fill_buckets[-1] and buckets.bucket(len(rows), self.fill_buckets) < batch:  # fewer rows
+        fewer_rows = len(rows) <= self.fill_buckets[-1] and buckets.bucket(len(rows), self.fill_buckets) < batch
+        if fewer_rows or tokens.size > self.fill_tokens:
             state = self._fill_together(params, state, rows.tolist(), [chunks[r] for r in rows], [False] * len(rows), index)
         else:
             cache, logits = self._append(params, state.cache, state.logits, tokens, lengths)
@@ -840,7 +845,7 @@ class Sampler:
         that every row fits in `max_cache_len`. A fill costs its rows bucket x chunk bucket x
         slot bucket, so rows are grouped by the chunk bucket of their chunk and the slot bucket
         their tokens need (a short observation is not padded to a long one's width, nor attends
-        over a long row's slots), and go at most `fill_buckets[-1]` at a time.
+        over a long row's slots), and go at most `fill_rows(width)` at a time.
         """
         kept = np.where(np.asarray(fresh, bool), 0, index[np.asarray(rows, np.int64)])
         groups: dict[tuple[int, int], list[int]] = {}
@@ -854,18 +859,26 @@ class Sampler:
         return state
 
     def _fill_together(self, params, state, rows, chunks, fresh, index) -> SamplerState:
-        """`fill` without grouping: the rows in calls of at most `fill_buckets[-1]`, each padded to
-        its longest chunk and slots (one shape per count of rows, where grouping by length would
-        compile one per split of the lengths)."""
-        step = self.fill_buckets[-1]
+        """`fill` without grouping: the rows in calls of at most `fill_rows(width)` rows, each
+        padded to its longest chunk and slots (one shape per count of rows, where grouping by
+        length would compile one per split of the lengths)."""
+        step = self.fill_rows(buckets.bucket(max(max(len(c) for c in chunks), 1), self.chunk_buckets, "chunk length"))
         for start in range(0, len(rows), step):
             part = slice(start, start + step)
             state = self._fill_part(params, state, rows[part], chunks[part], fresh[part], index)
         return state
 
+    def fill_rows(self, width: int) -> int:
+        """Rows one fill of `width`-token chunks computes at most: the largest fill bucket whose
+        rows x width fit in `fill_tokens` (at least the smallest). What a fill holds beside the
+        cache grows with rows x width x slots (attention over the chunk), so this bounds it the
+        way a serving engine bounds the tokens of one prefill batch."""
+        fitting = [b for b in self.fill_buckets if b * width <= self.fill_tokens]
+        return fitting[-1] if fitting else self.fill_buckets[0]
+
     def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
         batch = state.live.shape[0]
-        k = buckets.bucket(len(rows), self.fill_buckets, "rows to fill")
+        k = min(buckets.bucket(len(rows), self.fill_buckets, "rows to fill"), batch)  # (never more rows than the cache)
         row_ids = np.full((k,), batch, np.int32)  # out of range: dropped
         row_ids[: len(rows)] = rows
         row_fresh = np.zeros((k,), bool)
@@ -918,7 +931,7 @@ class Sampler:
         """
         batch = state.live.shape[0]
         active = np.flatnonzero(turn.active)
-        k = buckets.bucket(len(active), self.decode_buckets) if len(active) <= self.decode_buckets[-1] else batch
+        k = min(buckets.bucket(len(active), self.decode_buckets), batch) if len(active) <= self.decode_buckets[-1] else batch
         slots = self._cache_bucket(int(index[active].max()) + steps)
         count = turn.count
         forcing = bool(np.any(turn.forced[active]))
