@@ -53,9 +53,13 @@ class LoopThread:
         """Schedules `coro` on the loop and returns at once; `.result()` waits for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    @property
+    def closed(self) -> bool:
+        return self._loop.is_closed()
+
     def close(self) -> None:
         """Shuts down the loop's default executor, stops the loop and joins its thread."""
-        if self._loop.is_closed():
+        if self.closed:
             return
         self.run(self._loop.shutdown_default_executor())
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import ml_collections
 import pytest
 
@@ -191,7 +192,10 @@ def test_an_agent_is_evaluated_with_the_report_of_environment_evaluations(online
     config.temperature, config.horizon, config.out_dir = 1.0, 2, str(tmp_path)
     config.rollout.max_tokens_per_turn, config.rollout.max_cache_len = 8, 512
     config.env.agent = AGENT
+    before = {id(a) for a in jax.live_arrays()}
     summary = runner.run(config)
+    # Its gateway's rows do not outlive it: the KV cache ([layers, rows, kv heads, slots, head dim]) went at its stop.
+    assert [a.shape for a in jax.live_arrays() if id(a) not in before and a.ndim == 5 and a.shape[3] == 512] == []
     written = json.loads((tmp_path / "summary.json").read_text())["overall"]
     assert summary.overall.scheduled == written["scheduled"] == 4
     assert written["success"]["value"] == summary.overall.success.value

@@ -159,6 +159,11 @@ class Batcher:
                 _fail(request.done, RuntimeError(f"the sampler failed: {e!r}"))
             raise
 
+    def close(self) -> None:
+        """(after `run` has stopped) Drops the rows and the weights' copy now: the KV cache of a
+        gateway that served its episodes is freed at once, not whenever the gateway is collected."""
+        self.state = self.params = self.version = None
+
     async def _take_newest(self) -> None:
         version, params = self.weights.newest()
         if version != self.version:

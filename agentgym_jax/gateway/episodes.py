@@ -205,6 +205,9 @@ class AgentStreams:
         return self._loop.submit(coro)
 
     def close(self) -> None:
+        """Stops the gateway (its rows freed) and the loop; a second call does nothing."""
+        if self._loop.closed:
+            return
         self._loop.run(self._serving.aclose())
         self._loop.close()
 

@@ -326,6 +326,7 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self.batcher.close()
         jax.monitoring.unregister_event_duration_listener(self._log_compile)
         self._report_unrewarded()
 

@@ -165,6 +165,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             ckpt.save(step + 1, (state, ref_params, *critic), {**meta, "minutes": run_minutes()},
                       force=step + 1 == config.train.steps)
         source.close()
+        if agent is not None:
+            streams.close()  # the training gateway's rows go before the evaluation's gateway takes its own
         logger.close()
 
         # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).
