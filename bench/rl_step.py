@@ -11,8 +11,10 @@ The batch: 4 tasks x 6 samples as `configs/textcraft_smollm.py` trains them. The
 recorded from the recipe's own RL steps (`bench/data/textcraft_smollm_steps.json`: per row its
 length, the prefix it shares with its group, and where its policy tokens are), and rebuilt with
 random token ids (what is computed depends on lengths, shared prefixes and loss positions, not on
-the ids). Every variant runs `prepare` (policy and reference, KL on) and `rl_update` with the
-recipe's optimizer settings:
+the ids). Every variant runs `prepare` (KL on: the reference's scoring pass, and `main`'s also
+the policy's; this tree skips the policy's where nothing reads it before the update, as in the
+recipe's one on-policy update: `UpdateConfig.scores_policy`) and `rl_update` with the recipe's
+optimizer settings:
 
 - `main`: the update of `--baseline` (default: main before issue 43) run from a git worktree in a
   subprocess, plain rows, 8 micro-batches of 3 rows, 3 length buckets: the recipe as it was;
@@ -24,8 +26,8 @@ recipe's optimizer settings:
   that holds it (`algo.length_spacing=even`; halvings of a 1,536 width ran every tree of
   1,000-1,500 positions at 1,536), the recipe now.
 
-Columns: tokens in the batch (real; padded), token positions the trunk computed (prepare's two
-passes and the update's), seconds per update (best of `--rounds`, after a first compiling call),
+Columns: tokens in the batch (real; padded), token positions the trunk computed (prepare's
+scoring passes and the update's), seconds per update (best of `--rounds`, after a first compiling call),
 XLA's temp memory of the compiled update. The rollout (`--rollout`, on by default): one step's
 episodes of the recipe (4 TextCraft training tasks x 6 samples, horizon 6, temperature 0.7) from
 the pretrained policy, played by `--baseline`'s code and by this tree's, on a server the script
@@ -167,10 +169,11 @@ def time_update(variant: str, model_name: str, step: dict, rounds: int) -> dict:
     memory = fns.rl_update.lower(state, rl_batch).compile().memory_analysis()
     real = int((np.asarray(batch.positions) >= 0).sum())
     layout = getattr(batch, "layout", None)
+    passes = 1 + int(getattr(config, "scores_policy", True))  # the reference's scoring pass, and the policy's where it runs
     return {"variant": variant, "first_s": first, "update_s": min(seconds), "real_tokens": real,
             "padded_tokens": int(np.asarray(batch.tokens).size),
             "packed_tokens": int((np.asarray(layout.positions) >= 0).sum()) if layout is not None else real,
-            "positions": float(prep.get("score_positions", float("nan"))) * 2 + float(metrics.get("positions", float("nan"))),
+            "positions": float(prep.get("score_positions", float("nan"))) * passes + float(metrics.get("positions", float("nan"))),
             "temp_gb": getattr(memory, "temp_size_in_bytes", 0) / 1e9}
 
 

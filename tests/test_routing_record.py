@@ -154,11 +154,12 @@ def test_routing_mismatch_is_zero_alike_and_a_hand_count_when_the_record_differs
     assert differing == 3
     expected = 3 / (config.num_layers * np.sum(batch.loss_mask > 0))
 
-    scoring = update(config, kl_coef=0.1, num_microbatches=2, length_buckets=2)
+    scoring = update(config, kl_coef=0.1, ppo_epochs=2, num_microbatches=2, length_buckets=2)
+    reference_only = update(config, kl_coef=0.1)  # one update: the policy's pass is the update's own
     forward_only = update(config)
-    assert scoring.scores_rollouts and not forward_only.scores_rollouts
+    assert scoring.scores_policy and not reference_only.scores_policy and not forward_only.scores_policy
     rl_loss = jax.jit(steps.rl_loss, static_argnames="config")  # what each micro-batch of the update runs
-    for cfg in (scoring, forward_only):
+    for cfg in (scoring, reference_only, forward_only):
         fns = steps.make_step_fns(cfg)
         for layout in ("plain", "packed"):
             for experts, want in ((clean.experts, 0.0), (altered, expected)):
@@ -166,12 +167,12 @@ def test_routing_mismatch_is_zero_alike_and_a_hand_count_when_the_record_differs
                 rows = pack_groups(rows, 4) if layout == "packed" else rows
                 assert (rows.layout is not None) == (layout == "packed")
                 rl_batch, metrics = fns.prepare(params, params, rows)
-                assert ("routing_mismatch" in metrics) == cfg.scores_rollouts
-                assert (rl_batch.experts is None) == cfg.scores_rollouts  # compared once
-                if not cfg.scores_rollouts:
+                assert ("routing_mismatch" in metrics) == cfg.scores_policy
+                assert (rl_batch.experts is None) == cfg.scores_policy  # compared once
+                if not cfg.scores_policy:
                     metrics = rl_loss(params, rl_batch, config=cfg)[1]
                 np.testing.assert_allclose(float(metrics["routing_mismatch"]), want, rtol=1e-6,
-                                           err_msg=f"{layout}, scoring pass: {cfg.scores_rollouts}")
+                                           err_msg=f"{layout}, scoring pass: {cfg.scores_policy}")
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_both_engines_record_the_experts_the_sampler_chose(tmp_path, maze_url):
 
     batch = make_token_batch(runs["turns"] + runs["slots"])
     assert np.sum(batch.experts[..., 0, 0] >= 0) == np.sum(batch.loss_mask) > 0
-    fns = steps.make_step_fns(update(config, kl_coef=0.1))
+    fns = steps.make_step_fns(update(config, kl_coef=0.1, ppo_epochs=2))  # two updates: the policy's scoring pass runs
     assert float(fns.prepare(params, params, batch)[1]["routing_mismatch"]) == 0.0
 
 

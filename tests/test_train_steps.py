@@ -431,3 +431,39 @@ def test_a_single_on_policy_update_skips_scoring_and_steps_along_the_policy_grad
     # The sampler-vs-trainer gap comes from the update's own log-probs (the batch's are zeros),
     # averaged over the two micro-batches rather than over all tokens at once.
     np.testing.assert_allclose(metrics["logprob_gap"], (np.abs(logp) * mask).sum() / mask.sum(), rtol=0.05)
+
+
+KL_ON_POLICY = make_update(MODEL, num_microbatches=2, kl_coef=0.1, kl_estimator="low_var_kl")  # the SmolLM2 recipes'
+
+
+def test_a_single_on_policy_update_with_a_kl_term_scores_the_reference_only():
+    """One update with a KL term in the loss: `prepare` runs the reference's pass and not the
+    policy's (half the matmuls of a config that reads both), and the update is one optimizer
+    step along d/dθ [-mean(A · log π_θ) + β · mean(k3(log π_θ, log π_ref))] at ratio 1, computed
+    here by hand with jax.grad against a reference that differs from the policy."""
+    assert not KL_ON_POLICY.scores_policy and KL_ON_POLICY.scores_rollouts
+    assert replace(KL_ON_POLICY, kl_in_reward=True).scores_policy  # the reward's penalty reads the old log-probs
+    batch, state = _batch(rewards=[1, 0, 0, 1, 1, 1, 0, 0]), _state()
+    ref_params = init_params(MODEL, jax.random.PRNGKey(7))
+
+    def matmuls(config):
+        jaxpr = jax.make_jaxpr(functools.partial(steps.prepare, config=config))(state.params, ref_params, batch)
+        return str(jaxpr).count("dot_general")
+
+    assert 0 < 2 * matmuls(KL_ON_POLICY) == matmuls(replace(KL_ON_POLICY, ppo_epochs=2))
+
+    rl_batch, _ = step_fns(KL_ON_POLICY).prepare(state.params, ref_params, batch)
+    ref_logp = scoring.score(ref_params, batch, KL_ON_POLICY.forward)[0]
+    np.testing.assert_allclose(rl_batch.ref_logprobs * batch.loss_mask, ref_logp * batch.loss_mask, rtol=1e-5, atol=1e-6)
+
+    def surrogate(params):
+        logp = scoring.score(params, batch, KL_ON_POLICY.forward)[0]
+        k3 = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1.0
+        return (-(rl_batch.advantages * logp * batch.loss_mask).sum() + 0.1 * (k3 * batch.loss_mask).sum()) / batch.loss_mask.sum()
+
+    grads = jax.grad(surrogate)(state.params)
+    updates, _ = TX.update(grads, TX.init(state.params), state.params)
+    expected = jax.tree.map(np.asarray, optax.apply_updates(state.params, updates))
+    after, metrics = step_fns(KL_ON_POLICY).rl_update(state, rl_batch)  # donates `state`
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), after.params, expected)
+    assert float(metrics["kl"]) > 1e-3 and "logprob_gap" in metrics  # a real KL term; the gap from the update

@@ -228,13 +228,20 @@ class UpdateConfig:
             raise ValueError("an update has one objective besides behaviour cloning: rl or dpo, not both")
 
     @property
-    def scores_rollouts(self) -> bool:
-        """Whether `prepare` runs the trainer over the batch. It need not when the batch makes one
-        optimizer update and nothing else reads the scoring pass (no reference, value model or
-        off-policy correction): the update's own log-probs, gradient stopped, are then the old ones
-        (ratio 1, the same gradient), which saves a forward pass over every rollout."""
+    def scores_policy(self) -> bool:
+        """Whether `prepare` runs the trainer's policy over the batch. It need not when the batch
+        makes one optimizer update and nothing reads the old log-probs before it (no value model,
+        off-policy correction or KL penalty in the reward): the update's own log-probs, gradient
+        stopped, are then the old ones (ratio 1, the same gradient), which saves a forward pass
+        over every rollout. A KL term in the loss still needs the reference's pass."""
         rl, batching = self.rl, self.batching
-        return (batching.updates_per_step > 1 or rl.uses_reference or rl.uses_critic or rl.corrects_off_policy)
+        return (batching.updates_per_step > 1 or rl.uses_critic or rl.corrects_off_policy
+                or (rl.uses_reference and rl.kl_in_reward))
+
+    @property
+    def scores_rollouts(self) -> bool:
+        """Whether `prepare` runs any model over the batch: the policy's pass, the reference's, or both."""
+        return self.scores_policy or self.rl.uses_reference
 
 
 @flax.struct.dataclass
@@ -264,11 +271,11 @@ def prepare(
     cut to its own with `length_buckets > 1`, and skipped where no row trains a token.
     `batch.old_logprobs` are the sampler's: they feed `logprob_gap` and the importance weights;
     the PPO ratio is taken against the trainer's recomputed log-probs. `critic_params`: the
-    separate critic's (`config.rl.separate_critic`), else None. Where nothing reads a scoring pass
-    (`UpdateConfig.scores_rollouts`), none runs: advantages only. Where the batch holds the
-    sampler's experts (`TokenBatch.experts`), `routing_mismatch` is the share of (policy token,
-    layer) pairs the trainer routes to another expert set (from the update's forward pass where
-    no scoring pass runs).
+    separate critic's (`config.rl.separate_critic`), else None. Where nothing reads the policy's
+    pass before the update (`UpdateConfig.scores_policy`), only the reference's runs, or none
+    (advantages only). Where the batch holds the sampler's experts (`TokenBatch.experts`),
+    `routing_mismatch` is the share of (policy token, layer) pairs the trainer routes to another
+    expert set (from the update's forward pass where the policy's pass does not run).
     """
     rl = config.rl
     if rl.separate_critic != (critic_params is not None):
@@ -306,7 +313,7 @@ def prepare(
         returns=returns,
         is_weights=is_weights,
         layout=batch.layout,
-        experts=None if config.scores_rollouts else batch.experts,
+        experts=None if config.scores_policy else batch.experts,
     )
     return rl_batch, metrics
 
@@ -321,14 +328,16 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     def score_part(all_params: tuple[Any, Any, Any], units: TokenBatch) -> tuple[jax.Array, ...]:
         params, ref_params, critic_params = all_params
         part = microbatch.to_rows(units)
-        old_logprobs, entropy, values, *differs = score(params, part, forward, rl.temperature, rl.shared_value_head,
-                                                        routing_differs=compare)
-        if rl.separate_critic:
-            values = critic_values(critic_params, part, forward, rl.critic_model)
+        scored = ()
+        if config.scores_policy:
+            old_logprobs, entropy, values, *differs = score(params, part, forward, rl.temperature, rl.shared_value_head,
+                                                            routing_differs=compare)
+            if rl.separate_critic:
+                values = critic_values(critic_params, part, forward, rl.critic_model)
+            scored = (old_logprobs, entropy, values, *differs)
         ref_logprobs = score(ref_params, part, forward, rl.temperature)[0] if rl.uses_reference else old_logprobs
         rows = microbatch.rows_per_unit(units)
-        return tuple(x.reshape(-1, rows, x.shape[-1]) if rows > 1 else x
-                     for x in (old_logprobs, entropy, values, ref_logprobs, *differs))
+        return tuple(x.reshape(-1, rows, x.shape[-1]) if rows > 1 else x for x in (ref_logprobs, *scored))
 
     parts = batching.num_minibatches * batching.num_microbatches
     units = microbatch.to_units(batch)
@@ -341,7 +350,14 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     scored = microbatch.merge(scored)
     if order is not None:
         scored = jax.tree.map(lambda x: x[jnp.argsort(order)], scored)  # back to the batch's unit order
-    old_logprobs, entropy, values, ref_logprobs, *differs = (x.reshape(mask.shape) for x in scored)
+    ref_logprobs, *policy = (x.reshape(mask.shape) for x in scored)
+    metrics = {
+        "score_length_fraction": jnp.mean(run_lengths) / full,  # of the padded positions, scored
+        "score_positions": jnp.sum(run_lengths) * (microbatch.count_units(batch) // parts),  # one policy's pass
+    }
+    if not config.scores_policy:  # the reference's pass only: `rl_loss` takes its own log-probs as the old ones
+        return batch.old_logprobs, jnp.zeros_like(mask), ref_logprobs, jnp.ones_like(mask), metrics
+    old_logprobs, entropy, values, *differs = policy
     # Weights of trainer vs sampler: always in the metrics, in the loss only with a correction on.
     is_weights, is_metrics = importance_weights(
         old_logprobs, batch.old_logprobs, mask, level="token" if rl.is_correction == "none" else rl.is_correction,
@@ -349,13 +365,8 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
     )
     if not rl.corrects_off_policy:
         is_weights = jnp.ones_like(is_weights)
-    metrics = {
-        **_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
-        **_routing_metrics(differs, batch, config.forward.model),
-        **is_metrics,
-        "score_length_fraction": jnp.mean(run_lengths) / full,  # of the padded positions, scored
-        "score_positions": jnp.sum(run_lengths) * (microbatch.count_units(batch) // parts),  # one policy's pass
-    }
+    metrics = {**_rollout_metrics(old_logprobs, batch.old_logprobs, entropy, mask),
+               **_routing_metrics(differs, batch, config.forward.model), **is_metrics, **metrics}
     return old_logprobs, values, ref_logprobs, is_weights, metrics
 
 
@@ -383,15 +394,15 @@ def _advantage_metrics(advantages: jax.Array, mask: jax.Array) -> Metrics:
 
 def rl_loss(params: Any, batch: RLBatch, config: UpdateConfig) -> tuple[jax.Array, Metrics]:
     """The policy loss (`rl.losses.POLICY_LOSSES`) + KL to the reference - entropy bonus + clipped value loss.
-    Without a scoring pass (`UpdateConfig.scores_rollouts`) the batch's old log-probs are the
-    sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
+    Without the policy's scoring pass (`UpdateConfig.scores_policy`) the batch's old log-probs are
+    the sampler's and the loss's own, gradient stopped, stand in for the trainer's."""
     rl, aux = config.rl, int(_router_aux(config))
     logprobs, entropy, values, *extra = score(params, batch, config.forward, rl.temperature, rl.shared_value_head,
                                               bool(aux), batch.experts is not None)
     router, differs = extra[:aux], extra[aux:]
     mask = batch.loss_mask
     old_logprobs, metrics = batch.old_logprobs, {}
-    if not config.scores_rollouts:
+    if not config.scores_policy:
         old_logprobs = jax.lax.stop_gradient(logprobs)
         metrics = {**_rollout_metrics(old_logprobs, batch.old_logprobs, jax.lax.stop_gradient(entropy), mask),
                    **_routing_metrics(differs, batch, config.forward.model)}
