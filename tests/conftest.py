@@ -9,6 +9,28 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 import pytest  # noqa: E402
 
 
+def _share_compilations() -> None:
+    """One JAX persistent compilation cache for the whole run: the pytest process makes a fresh
+    folder, and its xdist workers and every job a test launches inherit it, so a program another
+    test (or a killed job's first life) compiled loads instead of compiling again. Fresh each run,
+    and removed after it: no run's timing or result depends on an earlier run's files."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return  # a cache the caller chose, or a worker of a run that made one
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="agentgym_jax_tests_jit_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    # A size limit turns on JAX's file lock around each read and write: a worker never reads an
+    # entry another process is still writing. Far above what a run writes (~1 GB).
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 << 30)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_share_compilations()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(Hugging Face folder, GGUF file) of SmolLM2-135M-Instruct, built once per machine by the
