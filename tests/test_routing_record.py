@@ -134,8 +134,9 @@ def test_routing_mismatch_is_zero_alike_and_a_hand_count_when_the_record_differs
     token, layer) pairs altered over all of them: another expert in a layer (the last token of a
     row, both layers: 2; one token of a row that another row repeats, packed as one token: 1 for
     that row only), the same experts in another order (0), a record on a token off the loss
-    mask (0). The same for plain and packed rows, from `prepare`'s scoring pass (GRPO with a KL
-    term; micro-batches cut to length buckets) and from the loss's forward pass (no scoring pass)."""
+    mask (0). The same for plain and packed rows, from `prepare`'s policy scoring pass (GRPO with
+    a KL term over two epochs; micro-batches cut to length buckets) and from the loss's forward
+    pass (one update: the reference's scoring pass alone, or none)."""
     config, params = moe(64)
     batch = group_rows(groups=2, size=4)
     clean = batch.replace(experts=routed(config, params, batch))
