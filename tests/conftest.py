@@ -23,7 +23,7 @@ def _share_compilations() -> None:
     folder = tempfile.mkdtemp(prefix="agentgym_jax_tests_jit_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
     # A size limit turns on JAX's file lock around each read and write: a worker never reads an
-    # entry another process is still writing. Far above what a run writes (~1 GB).
+    # entry another process is still writing. Far above what a run writes (tens of MB).
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 << 30)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
 

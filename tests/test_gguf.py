@@ -137,6 +137,6 @@ def test_smollm2_from_its_registry_package(smollm2):
     ids = np.array([ours(prompt)["input_ids"]])
     with torch.no_grad():  # the reference in float64: through 30 layers, transformers' own float32 run is
         expected = model.double()(torch.tensor(ids)).logits.numpy()  # 9.3e-5 from it, and so is ours
-    logits = logits_of(folder, ids)
-    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+    logits = logits_of(folder, ids)  # (1.01e-4 at one of 1.8M logits on another AMD EPYC: float32 rounding)
+    np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=0)
     assert ours.decode(int(logits[0, -1].argmax())) == "The"  # "The capital of France is Paris."

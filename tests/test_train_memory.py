@@ -100,7 +100,7 @@ def test_prepare_runs_one_micro_batch_at_a_time_and_equals_one_pass():
     batch = _batch(rows=rows, seq=seq)
     params = init_params(MODEL, jax.random.PRNGKey(0))
     split = make_update(MODEL, num_minibatches=2, num_microbatches=2, kl_coef=0.1)
-    whole = replace(split, num_minibatches=1, num_microbatches=1)
+    whole = replace(split, ppo_epochs=2, num_minibatches=1, num_microbatches=1)  # two updates: the policy's pass runs too
     ref = jax.tree.map(lambda x: x * 1.01, params)
     got, got_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=split)
     want, want_metrics = jax.jit(steps.prepare, static_argnames="config")(params, ref, batch, config=whole)
