@@ -335,7 +335,7 @@ def _score_rollouts(all_params: tuple[Any, Any, Any], batch: TokenBatch,
             if rl.separate_critic:
                 values = critic_values(critic_params, part, forward, rl.critic_model)
             scored = (old_logprobs, entropy, values, *differs)
-        ref_logprobs = score(ref_params, part, forward, rl.temperature)[0] if rl.uses_reference else old_logprobs
+        ref_logprobs = score(ref_params, part, forward, rl.temperature)[0] if rl.uses_reference else scored[0]
         rows = microbatch.rows_per_unit(units)
         return tuple(x.reshape(-1, rows, x.shape[-1]) if rows > 1 else x for x in (ref_logprobs, *scored))
 
