@@ -13,8 +13,9 @@ is a `jax.ShapeDtypeStruct` carrying its sharding over the config's mesh, and ea
 script sets XLA_FLAGS before JAX starts). The steps, in the order an RL step runs them:
 
 - `append`: the sampler writes a `--chunk`-token chunk (a prompt, an observation) for every
-  episode into a full-length KV cache (`rollout.max_cache_len` slots); `fill` where that passes
-  `rollout.fill_tokens` (the sampler then fills as many rows at a time as fit in it);
+  episode into a full-length KV cache (`rollout.max_cache_len` slots), in pieces of as many
+  tokens a row as fit `rollout.fill_tokens` over every row (one piece compiled); with continuous
+  batching (`rollout.num_slots`), `fill`: as many rows at a time as fit in it;
 - `decode`: the sampler samples one turn (`rollout.max_tokens_per_turn` tokens) over that cache;
 - `prepare`: log-probs of the policy and the reference, advantages, over the whole batch;
 - `rl_update`: `ppo_epochs` x `num_minibatches` optimizer updates (the state donated).
@@ -257,19 +258,17 @@ def fill_step(config, sampler, weights, cache, logits, chunk, resident) -> Step:
 
 def turn_steps(config, model, sampler, weights, rows, chunk, resident) -> list[Step]:
     """The turn-batched engine's steps (`rollout.num_slots=0`): every episode is a sampler row;
-    an append of a `chunk`-token chunk per row into the full cache (in fills of some rows where
-    every row's chunk would pass `Sampler.fill_tokens`, as `Sampler.append` does), then a turn's decode."""
+    an append of a `chunk`-token chunk per row into the full cache (one piece of it where every
+    row's chunk would pass `rollout.fill_tokens`: `Sampler.append_width` tokens a row, as
+    `Sampler.append` goes), then a turn's decode."""
     r = config.rollout
     cache, logits = sampler_arrays(sampler, model, rows, r.max_cache_len)
-    tokens = jax.ShapeDtypeStruct((rows, chunk), jnp.int32, sharding=sampler.shardings.batch)
+    width = min(chunk, sampler.append_width(rows))
+    tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=sampler.shardings.batch)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sampler.shardings.batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sampler.shardings.replicated)
-    if rows * chunk > sampler.fill_tokens:
-        write = fill_step(config, sampler, weights, cache, logits, chunk, resident)
-    else:
-        write = compile_step("append", sampler._append, (weights, cache, logits, tokens, lengths), resident)
     return [
-        write,
+        compile_step("append", sampler._append, (weights, cache, logits, tokens, lengths), resident),
         compile_step("decode", sampler._decode, (r.max_tokens_per_turn, False, weights, cache, logits,
                                                  turn_spec(sampler, rows), rng), resident),
     ]

@@ -385,20 +385,23 @@ def test_slots_fill_copy_and_chunks_sample_what_prefill_and_generate_do():
 
 
 def test_fills_over_the_token_budget_go_in_parts_and_write_the_same_cache():
-    """`fill_tokens` bounds the rows one fill computes (rows x chunk width: what its attention
-    holds grows with it), never more rows than the cache has; the parts write the cache and
-    next-token logits of one fill of every row, for `fill` and for the turn-batched `append`."""
+    """`fill_tokens` bounds the tokens one fill or append computes (what its attention holds grows
+    with them), never more rows than the cache has: a fill goes in parts of some rows, the
+    turn-batched `append` in pieces of some columns of every row (in place, nothing gathered); the
+    parts write the cache and next-token logits of one call over every row."""
     params = toy_params(7)
     config = SamplingConfig(max_new_tokens=4, temperature=1.0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 30, n).tolist() for n in (11, 15, 9, 13, 16)]  # width 16 each
-    observations = [rng.integers(1, 30, n).tolist() for n in (5, 16, 12, 3, 8)]
-    kw = dict(batch_buckets=(6,), cache_buckets=(32, 64), fill_buckets=(1, 2, 4, 8))
+    observations = [rng.integers(1, 30, n).tolist() for n in (13, 16, 12, 15, 14)]  # width 16 each
+    kw = dict(batch_buckets=(6,), cache_buckets=(32, 64), fill_buckets=(1, 2, 4, 8), chunk_buckets=(4, 8, 16, 32, 64))
     results = []
-    for fill_tokens in (8192, 32):  # one call of every row, then calls of 32 // 16 = 2 rows
+    for fill_tokens in (8192, 32):  # one call of every row, then fills of 32 // 16 = 2 rows, appends of 6 x 4 tokens
         sampler = toy_sampler(config, max_cache_len=64, fill_tokens=fill_tokens, **kw)
-        called, fill = [], sampler._fill
-        sampler._fill = lambda slots, *args, fill=fill, called=called: called.append(args[-2].shape) or fill(slots, *args)
+        filled, fill, appended, append = [], sampler._fill, [], sampler._append
+        sampler._fill = lambda slots, *args, fill=fill, filled=filled: filled.append(args[-2].shape) or fill(slots, *args)
+        sampler._append = lambda *args, append=append, appended=appended: appended.append(
+            (args[-2].shape, args[-1].tolist())) or append(*args)
         slots = sampler.init_slots(params, 5)
         index = np.zeros(6, np.int64)
         slots = sampler.fill(params, slots, [4, 0, 2, 1, 3], prompts, [True] * 5, index)
@@ -406,10 +409,12 @@ def test_fills_over_the_token_budget_go_in_parts_and_write_the_same_cache():
         slots = sampler.fill(params, slots, [4, 0, 2, 1, 3], observations, [False] * 5, index)
         batched = sampler.prefill(params, prompts)
         batched, _ = sampler.append(params, batched, observations)
-        results.append((slots, batched, called))
-    (one, one_batched, whole), (parts, parts_batched, split) = results
-    assert whole == [(6, 16)] * 2 + [(6, 16)]  # the 5 rows' bucket of 8 capped at the cache's 6 rows
-    assert split == [(2, 16), (2, 16), (1, 16)] * 4  # fill, fill, prefill in parts of 2 rows; the append too
+        results.append((slots, batched, filled, appended))
+    (one, one_batched, whole, whole_append), (parts, parts_batched, split, pieces) = results
+    assert whole == [(6, 16)] * 3  # the 5 rows' bucket of 8 capped at the cache's 6 rows
+    assert whole_append == [((6, 16), [13, 16, 12, 15, 14, 0])]
+    assert split == [(2, 16), (2, 16), (1, 16)] * 3  # fill, fill, prefill in parts of 2 rows
+    assert pieces == [((6, 4), [4, 4, 4, 4, 4, 0])] * 3 + [((6, 4), [1, 4, 0, 3, 2, 0])]  # 4 tokens a row at a time
     for a, b in ((one, parts), (one_batched, parts_batched)):
         np.testing.assert_array_equal(np.asarray(a.cache.positions), np.asarray(b.cache.positions))
         np.testing.assert_array_equal(np.asarray(a.cache.index), np.asarray(b.cache.index))

@@ -140,6 +140,9 @@ def test_compiled_memory_matches_the_sharded_arrays(scale):
     assert analysis.alias_size_in_bytes >= scale.device_bytes(state.params) + scale.device_bytes(state.opt_state)
     assert scale.device_bytes(rl_batch.tokens) == 8 * 64 * 4 // 8
     assert scale.device_bytes(by_name["rl_update"].resident) == scale.device_bytes(by_name["prepare"].args[1])  # the reference
+    config.rollout.fill_tokens = 8 * 16  # 8 rows x 16 tokens: a 32-token chunk is appended 16 tokens a row at a time
+    append = scale.compile_steps(config, model, mesh, seq=64, chunk=32)[1][0]
+    assert append.name == "append" and append.args[3].shape == (8, 16)
 
 
 @pytest.mark.slow

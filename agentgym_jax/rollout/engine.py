@@ -92,7 +92,7 @@ class RolloutConfig:
     # decode steps per sampler call; between calls the batch drops the rows whose turn ended (turn-batched)
     # or admits episodes and appends arrived observations (slots)
     decode_chunk: int = 16
-    fill_tokens: int = 8192  # tokens one sampler fill computes at most (`Sampler.fill_rows`): bounds its memory
+    fill_tokens: int = 8192  # tokens one sampler fill or append computes at most: bounds its memory
     tool_calls: bool = False  # function calling: tools in the prompt, replies read as calls, results as tool messages
     # A mixture of experts: keep each policy token's experts (layers x k ids) in its trajectory
     # (`Trajectory.experts`), for the trainer's `routing_mismatch`; off: they are large at real sizes.

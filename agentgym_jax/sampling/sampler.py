@@ -755,13 +755,34 @@ class Sampler:
             return state, overflow[: state.num_rows]
         state = state.replace(cache=self._ensure_capacity(state.cache, int((index + lengths).max())))
         fewer_rows = len(rows) <= self.fill_buckets[-1] and buckets.bucket(len(rows), self.fill_buckets) < batch
-        if fewer_rows or tokens.size > self.fill_tokens:
+        if fewer_rows:
             state = self._fill_together(params, state, rows.tolist(), [chunks[r] for r in rows], [False] * len(rows), index)
         else:
-            cache, logits = self._append(params, state.cache, state.logits, tokens, lengths)
-            self.work.observation_tokens_computed += tokens.size
-            state = state.replace(cache=cache, logits=logits)
+            state = self._append_in_pieces(params, state, tokens, lengths)
         return state, overflow[: state.num_rows]
+
+    def append_width(self, rows: int) -> int:
+        """Tokens of each row one append of `rows` rows computes at most: the widest chunk bucket
+        whose rows x width fit in `fill_tokens` (at least the smallest)."""
+        fitting = [w for w in self.chunk_buckets if rows * w <= self.fill_tokens]
+        return fitting[-1] if fitting else self.chunk_buckets[0]
+
+    def _append_in_pieces(self, params: Params, state: SamplerState, tokens: np.ndarray, lengths: np.ndarray) -> SamplerState:
+        """Every row's chunk appended `append_width` columns at a time: a chunk past `fill_tokens`
+        is bounded along its tokens, not its rows, so each piece writes every row in place in its
+        own shard of the cache (a fill of some rows gathers them: on a sharded mesh, a copy of
+        those rows' whole cache on every device)."""
+        batch, width = tokens.shape
+        piece = min(self.append_width(batch), width)
+        pieces = -(-width // piece)
+        tokens = np.pad(tokens, ((0, 0), (0, pieces * piece - width)), constant_values=self.config.pad_id)
+        cache, logits = state.cache, state.logits
+        for start in range(0, pieces * piece, piece):
+            part = np.clip(lengths - start, 0, piece).astype(np.int32)
+            if part.any():
+                cache, logits = self._append(params, cache, logits, tokens[:, start : start + piece], part)
+                self.work.observation_tokens_computed += batch * piece
+        return state.replace(cache=cache, logits=logits)
 
     def generate(
         self,
