@@ -71,8 +71,8 @@ PRESETS.update({
     # holds a vision tower and is refused: models/families): 3.9B parameters, window 1024, global
     # RoPE 1M with linear scaling 8. Everything over fsdp on 8 devices; its KV cache per token is
     # 2.4x the 7B's (34 layers x 4 x 256) and every layer keeps all its slots (docs/models.md), so
-    # 256 episodes of 10752 slots take 44.7 GiB a device and the append peaks at 98% of an H100
-    # (fits an H200 or a v5p chip; bench/README.md).
+    # 256 episodes of 10752 slots take 44.7 GiB a device and the append peaks at 89% of an H100
+    # (bench/README.md): at the edge of its 90%, with room on an H200 or a v5p chip.
     "gemma-3-4b": dict(
         model=dict(
             family="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
