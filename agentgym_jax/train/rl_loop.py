@@ -33,7 +33,7 @@ from absl import logging
 
 from agentgym_jax.gateway import episodes as agent_episodes
 from agentgym_jax.gateway.agents import AgentSpec
-from agentgym_jax.job import play, setup
+from agentgym_jax.job import memory_maps, play, setup
 from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train import build, rl_episodes, rl_report, rl_signal, settings
@@ -134,6 +134,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         stack.callback(source.close)
         step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
+            if not isinstance(source, rl_episodes.Asynchronous):  # (its streams sample on other threads)
+                memory_maps.release_if_near_limit()
             trajectories, rollout_metrics = source.take(step, lambda: local_policy(state, source.needs_own_weights))
             trajectories = [dataclasses.replace(t, train_step=step) for t in trajectories]
             write_jsonl(trajectories_path, trajectories)
@@ -170,6 +172,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         logger.close()
 
         # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).
+        memory_maps.release_if_near_limit()
         after = held_out(local_policy(state), workdir / "eval_after.jsonl", "eval after RL")
         if state.frozen:
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
