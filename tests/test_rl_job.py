@@ -93,6 +93,8 @@ def test_sigkilled_run_resumes_exactly(tmp_path, algo):
     assert f"minutes={report['minutes']:.1f}" in resumed.stdout.strip().splitlines()[-1]
     assert json.loads((tmp_path / "straight" / "report.json").read_text())["resumed_from_step"] is None
 
+    first = read_metrics(str(tmp_path / "straight" / "metrics.jsonl"))[0]  # the first step compiles its update
+    assert first["compiled_programs"] >= 1 and 0 < first["compile_s"] < first["step_s"]
     a = _per_step(read_metrics(str(tmp_path / "straight" / "metrics.jsonl")))
     b = _per_step(read_metrics(str(resumed_dir / "metrics.jsonl")))
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))

@@ -25,7 +25,7 @@ from agentgym_jax.progress import Progress
 CONSOLE_KEYS = ("success_rate", "horizon", "loss", "nll", "kl", "mean_reward", "accuracy")
 # The RL step's wall-time measures: they differ between runs that are otherwise the same.
 TIMING_KEYS = frozenset({"rollout_s", "update_s", "step_s", "tokens_per_s", "sampler_idle_fraction",
-                         "sampler_wait_fraction", "trainer_idle_fraction"})
+                         "sampler_wait_fraction", "trainer_idle_fraction", "compile_s", "compiled_programs"})
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

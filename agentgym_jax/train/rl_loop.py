@@ -34,6 +34,7 @@ from absl import logging
 from agentgym_jax.gateway import episodes as agent_episodes
 from agentgym_jax.gateway.agents import AgentSpec
 from agentgym_jax.job import memory_maps, play, setup
+from agentgym_jax.job.compile_clock import CompileClock
 from agentgym_jax.parallel.distributed import broadcast_object, gather_objects, initialize_distributed, is_writer
 from agentgym_jax.rollout.trajectory import truncate_jsonl, write_jsonl
 from agentgym_jax.train import build, rl_episodes, rl_report, rl_signal, settings
@@ -55,6 +56,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
         # The job: servers, mesh, checkpoints; oracle demonstrations (also the tokenizer's text) unless resuming.
         job = stack.enter_context(setup.open_job(config))
+        compiles = stack.enter_context(CompileClock())  # a step's compiling seconds, apart from its work
         workdir, mesh, info = job.workdir, job.mesh, job.info
         settings.check_curriculum(curriculum, info.splits["train"], info.metadata)
         settings.check_signal(config, signal, rules, info.metadata)
@@ -132,7 +134,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             episode_rows = config.rollout.batch_tasks * config.rollout.group_size * settings.rows_per_episode(config)
             step_rows = lambda rows: step_fns.padded_rows(max(rows, episode_rows))  # noqa: E731  (one shape a step)
         stack.callback(source.close)
-        step_start = time.time()
+        step_start, _ = time.time(), compiles.lap()
         for step in range(meta["rl_step"], config.train.steps):
             if not isinstance(source, rl_episodes.Asynchronous):  # (its streams sample on other threads)
                 memory_maps.release_if_near_limit()
@@ -153,11 +155,13 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             update_s = time.time() - t1
             source.updated(step + 1, lambda: local_policy(state, source.needs_own_weights))
             step_s, step_start = time.time() - step_start, time.time()
+            compile_s, programs = compiles.lap()
             tokens = sum(gather_objects(sum(len(t.token_ids) for t in trajectories)))
             sampler_busy_s, sampler_wait_s = rollout_metrics.pop("sampler_busy_s"), rollout_metrics.pop("sampler_wait_s")
             metrics = {
                 **play.rollout_metrics(trajectories, all_processes=True), **batch_metrics, **jax.device_get(prep_metrics),
                 **update_metrics, **rollout_metrics, "stage": schedule.stage(step), "update_s": update_s, "step_s": step_s,
+                "compile_s": compile_s, "compiled_programs": programs,
                 "tokens_per_s": tokens / step_s, "sampler_idle_fraction": max(0.0, 1 - sampler_busy_s / step_s),
                 "sampler_wait_fraction": sampler_wait_s / step_s, "trainer_idle_fraction": rollout_metrics["rollout_s"] / step_s,
             }
