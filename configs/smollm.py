@@ -17,9 +17,10 @@ What differs from the random-init recipes (`configs/cpu.py`), and why:
   low_var_kl). Without the KL term two updates at 1e-5 took held-out TextCraft from 3/8 to 1/8
   (run D); at 3e-6 with it six steps left the greedy policy as it was on 63 of 64 held-out tasks
   (run F); at 1e-5 with it training success rose 0.13 -> 0.63 and held-out invalid actions fell
-  0.85 -> 0.54, held-out success level (run G). An RL step of 24 episodes of ~500 tokens took
-  8.7 minutes before each group's prompt was computed once (rollout and update), 3.7 now
-  (bench/rl_step.py), so few steps fit.
+  0.85 -> 0.54, held-out success level (run G). A warm RL step of 24 episodes of ~500 tokens
+  took 8.7 minutes before each group's prompt was computed once (rollout and update), 3.7 now
+  (bench/rl_step.py); in the 6-step recipe a step takes ~2.8 minutes, 42% of it compiling new
+  shapes (docs/experiments.md), so few steps fit.
 - TextCraft's RL draws depth-1 goals only (`curriculum.key=depth`): goals of every depth at
   horizons 4-6 gave all-failure groups, nothing to learn from (run C), and so did depth-2 goals
   after SFT (run F); depth-1 goals give mixed ones. BabyAI's stages draw the tasks the oracle
