@@ -764,8 +764,7 @@ class Sampler:
     def append_width(self, rows: int) -> int:
         """Tokens of each row one append of `rows` rows computes at most: the widest chunk bucket
         whose rows x width fit in `fill_tokens` (at least the smallest)."""
-        fitting = [w for w in self.chunk_buckets if rows * w <= self.fill_tokens]
-        return fitting[-1] if fitting else self.chunk_buckets[0]
+        return self._within_fill_tokens(self.chunk_buckets, rows)
 
     def _append_in_pieces(self, params: Params, state: SamplerState, tokens: np.ndarray, lengths: np.ndarray) -> SamplerState:
         """Every row's chunk appended `append_width` columns at a time: a chunk past `fill_tokens`
@@ -894,8 +893,13 @@ class Sampler:
         rows x width fit in `fill_tokens` (at least the smallest). What a fill holds beside the
         cache grows with rows x width x slots (attention over the chunk), so this bounds it the
         way a serving engine bounds the tokens of one prefill batch."""
-        fitting = [b for b in self.fill_buckets if b * width <= self.fill_tokens]
-        return fitting[-1] if fitting else self.fill_buckets[0]
+        return self._within_fill_tokens(self.fill_buckets, width)
+
+    def _within_fill_tokens(self, sizes: Sequence[int], times: int) -> int:
+        """The largest of `sizes` (ascending buckets) whose product with `times` fits in
+        `fill_tokens`, else the smallest."""
+        fitting = [size for size in sizes if size * times <= self.fill_tokens]
+        return fitting[-1] if fitting else sizes[0]
 
     def _fill_part(self, params, state, rows, chunks, fresh, index) -> SamplerState:
         batch = state.live.shape[0]

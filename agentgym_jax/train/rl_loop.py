@@ -134,7 +134,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             episode_rows = config.rollout.batch_tasks * config.rollout.group_size * settings.rows_per_episode(config)
             step_rows = lambda rows: step_fns.padded_rows(max(rows, episode_rows))  # noqa: E731  (one shape a step)
         stack.callback(source.close)
-        step_start, _ = time.time(), compiles.lap()
+        compiles.lap()  # the first step's compiles count from here
+        step_start = time.time()
         for step in range(meta["rl_step"], config.train.steps):
             if not isinstance(source, rl_episodes.Asynchronous):  # (its streams sample on other threads)
                 memory_maps.release_if_near_limit()
