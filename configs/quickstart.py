@@ -231,4 +231,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.eval.num_tasks = 64  # held-out test tasks, evaluated before and after RL
     config.eval.horizon = 12
     config.eval.temperature = 0.0  # greedy
+    # > 0: the same tasks also this many times each at rollout.temperature, before and after RL, on the
+    # training sampler (report.json "sampled"; eval.compare's `:sampled_before` / `:sampled_after`)
+    config.eval.sampled = 0
     return config

@@ -77,3 +77,19 @@ def test_seeds_pair_with_their_partner_only_and_bad_folders_are_named(tmp_path):
         compare.compare_dirs(tmp_path / "a0", tmp_path)
     with pytest.raises(ValueError, match="not 'middle'"):
         compare.compare_dirs(f"{a[0]}:middle", b[0])
+
+
+def test_a_sampled_evaluation_compares_each_tasks_share_of_successful_samples(tmp_path):
+    # Two samples a task: A after RL wins 2/2, 1/2, 0/2 on tasks 0-2; its SFT start 0/2, 1/2, 1/2.
+    # Rates 1, 0.5, 0 against 0, 0.5, 0.5: one win, one tie, one loss; mean difference (1 - 0.5) / 3.
+    pairs = lambda wins: [[t, int(s < w)] for t, w in enumerate(wins) for s in range(2)]  # noqa: E731
+    run = _rl_run(tmp_path / "a", [0, 0, 0], [1, 1, 1])
+    report = json.loads((run / "report.json").read_text())
+    report["sampled"] = {"before": {"task_success": pairs([0, 1, 1])}, "after": {"task_success": pairs([2, 1, 0])}}
+    (run / "report.json").write_text(json.dumps(report))
+    assert compare.task_rates(f"{run}:sampled_after") == {0: 1.0, 1: 0.5, 2: 0.0}
+    c = compare.compare_dirs(f"{run}:sampled_after", f"{run}:sampled_before", num_bootstrap=100)
+    assert (c.wins, c.losses, c.ties) == (1, 1, 1) and c.mean_difference == pytest.approx(0.5 / 3)
+    plain = _rl_run(tmp_path / "b", [0, 0, 0], [1, 1, 1])
+    with pytest.raises(ValueError, match=r"no sampled evaluation \(eval.sampled=0\)"):
+        compare.task_rates(f"{plain}:sampled_after")

@@ -12,6 +12,7 @@ import pytest
 
 from agentgym_jax import progress as progress_module
 from agentgym_jax.progress import Progress
+from agentgym_jax.stats import wilson_interval
 from agentgym_jax.train import rl_report
 
 
@@ -210,6 +211,26 @@ def test_the_report_keeps_the_run_minutes_and_the_last_process_apart(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2] == "resumed at step 20: the last process took 0.3 of the run's 15.7 minutes"
     assert out[-1].endswith("minutes=15.7")
+
+
+def test_the_report_gives_the_sampled_evaluation_its_own_line_and_intervals(capsys):
+    # 4 tasks x 2 samples at temperature 1: 2 of 8 episodes succeed before RL, 6 of 8 after.
+    result = lambda wins: {"success_rate": wins / 8, "invalid_action_rate": 0.25 - wins / 32,  # noqa: E731
+                           "task_success": [[t, int(2 * t + s < wins)] for t in range(4) for s in range(2)]}
+    record = _report(0.5, 0.75)
+    record = rl_report.build_report(**{k: record[k] for k in ("env", "seed", "steps", "reward_shaping", "before", "after",
+                                                              "minutes", "process_minutes", "resumed_from_step")},
+                                    sampled=dict(temperature=1.0, samples=2, before=result(2), after=result(6)))
+    sampled = record["sampled"]
+    assert (sampled["success_before"], sampled["success_after"]) == (0.25, 0.75)
+    assert sampled["wilson_95"]["before"] == pytest.approx(wilson_interval(2, 8))  # over the 8 episodes
+    rl_report.print_report(record)
+    out = capsys.readouterr().out.strip().splitlines()
+    lo0, hi0 = wilson_interval(2, 8)
+    lo1, hi1 = wilson_interval(6, 8)
+    assert out[-2] == (f"held-out success sampled at temperature 1, 2 a task: 0.250 [{lo0:.3f}, {hi0:.3f}] -> 0.750 "
+                       f"[{lo1:.3f}, {hi1:.3f}]; invalid actions 0.188 -> 0.062")
+    assert out[-1].startswith("summary: env=room heldout_tasks=64 success_before=0.500")  # the greedy headline
 
 
 def test_the_report_counts_held_out_success_by_grade_and_names_the_pass_rate_controls(capsys):

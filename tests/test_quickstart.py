@@ -23,7 +23,7 @@ STEPS = 10
 def test_shortened_quickstart_improves_held_out_success(tmp_path):
     overrides = {
         "workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS,
-        "horizon_schedule.steps_per_stage": 4, "eval.num_tasks": 32,
+        "horizon_schedule.steps_per_stage": 4, "eval.num_tasks": 32, "eval.sampled": 2,
     }
     summary = run_rl_job("configs/quickstart.py", overrides)
     tasks, before, after = summary.tasks, summary.before, summary.after
@@ -39,6 +39,13 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
         assert [t for t, _ in outcomes] == test_ids and sum(s for _, s in outcomes) / 32 == pytest.approx(rate, abs=1e-3)
         low, high = report["wilson_95"][phase]
         assert low < rate < high and high - low > 0.2  # 32 tasks: about +-0.17 around the middle
+    # The sampled evaluation: each task twice at the rollout's temperature, its own file and report entry.
+    sampled = report["sampled"]
+    assert (sampled["temperature"], sampled["samples"]) == (1.0, 2)
+    for phase in ("before", "after"):
+        records = [json.loads(line) for line in (tmp_path / f"sampled_{phase}.jsonl").read_text().splitlines()]
+        assert sorted((r["task_id"], r["sample_idx"]) for r in records) == [(t, s) for t in test_ids for s in (0, 1)]
+        assert sampled[f"success_{phase}"] == pytest.approx(sum(r["success"] for r in records) / 64)
     paired = compare_dirs(tmp_path, f"{tmp_path}:before")  # RL against its own SFT start, task by task
     assert paired.mean_difference == pytest.approx(after - before, abs=1e-3) and paired.wins > 0
     assert [r["horizon"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [4] * 4 + [8] * 4 + [12] * 2

@@ -9,6 +9,8 @@ A run folder is one of:
 - what `mode=eval` wrote (schedule.json, trajectories.jsonl), recounted with the accounting of
   docs/evaluation.md (end-to-end success per task);
 - an RL job's workdir (report.json): its held-out outcomes after RL, or after SFT with `:before`;
+  those of its sampled evaluation (`eval.sampled`) with `:sampled_after` and `:sampled_before`
+  (a task's success: the share of its samples that succeeded);
 - an AgentEvol iteration folder (`<workdir>/iter_<k>`, eval.json).
 Comma-separated lists pair position by position (seed with seed) and pool the pairs: a task of
 the i-th pair is the key (i, task), so a seed's run is only ever compared with its partner.
@@ -37,14 +39,22 @@ _NUM_BOOTSTRAP = flags.DEFINE_integer("num_bootstrap", 10_000, "paired bootstrap
 _SEED = flags.DEFINE_integer("seed", 0, "bootstrap seed")
 
 
+RL_PHASES = ("", "before", "after", "sampled_before", "sampled_after")
+
+
 def task_rates(run: str | pathlib.Path) -> dict[Hashable, float]:
     """Per-task success of one run folder (module docstring for the kinds, `:before` included)."""
     folder, _, phase = str(run).partition(":")
     folder = pathlib.Path(folder)
     if (folder / "report.json").exists():  # an RL job
-        if phase not in ("", "before", "after"):
-            raise ValueError(f"{run}: an RL run is read after RL or ':before' (after SFT), not {phase!r}")
-        outcomes = json.loads((folder / "report.json").read_text())[phase or "after"]["task_success"]
+        if phase not in RL_PHASES:
+            raise ValueError(f"{run}: an RL run is read after RL, or as ':' one of {', '.join(RL_PHASES[1:])}; not {phase!r}")
+        report = json.loads((folder / "report.json").read_text())
+        if phase.startswith("sampled_"):
+            if "sampled" not in report:
+                raise ValueError(f"{run}: this run had no sampled evaluation (eval.sampled=0)")
+            report = report["sampled"]
+        outcomes = report[phase.removeprefix("sampled_") or "after"]["task_success"]
     elif phase:
         raise ValueError(f"{run}: ':{phase}' names a phase of an RL run, and {folder} has no report.json")
     elif (folder / "eval.json").exists():  # an AgentEvol iteration
@@ -53,7 +63,10 @@ def task_rates(run: str | pathlib.Path) -> dict[Hashable, float]:
         return task_success_rates(load_summary(folder).episodes)
     else:
         raise ValueError(f"{folder} holds no report.json (RL), eval.json (AgentEvol) or {SCHEDULE_NAME} (eval)")
-    return {task: float(success) for task, success in outcomes}
+    wins: dict[Hashable, list[int]] = {}
+    for task, success in outcomes:  # one pair per episode: a task's samples average
+        wins.setdefault(task, []).append(success)
+    return {task: sum(s) / len(s) for task, s in wins.items()}
 
 
 def compare_dirs(

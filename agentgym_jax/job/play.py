@@ -172,7 +172,8 @@ class HeldOut:
     `eval.horizon` turns at `eval.temperature` (greedy: 0), one sample each, with a sampler of
     its own on this process's devices (compiled once, used for every evaluation of the job).
     `play_with(sampler, framing, params, rollout)`: the policy that plays (an agent program's
-    job: `gateway/episodes.agent_policy`)."""
+    job: `gateway/episodes.agent_policy`). `sampled_of`: the same tasks `eval.sampled` times each
+    at the rollout's temperature, on the training engine's sampler."""
 
     config: ml_collections.ConfigDict
     job: Job
@@ -180,6 +181,8 @@ class HeldOut:
     sampler: Sampler
     rollout: RolloutConfig
     play_with: Callable[[Sampler, ChatFraming, Any, RolloutConfig], Policy] = ModelPolicy
+    samples: int = 1  # episodes a task
+    batch_episodes: int | None = None  # episodes played together; None: every one at once
 
     @classmethod
     def of(cls, config: ml_collections.ConfigDict, job: Job, model: ModelConfig, framing: ChatFraming,
@@ -188,6 +191,20 @@ class HeldOut:
             raise ConfigError(f"eval.num_tasks must be >= 1 (the report compares held-out success), got {config.eval.num_tasks}")
         rollout = settings.rollout(config, temperature=config.eval.temperature, group_size=1)
         return cls(config, job, framing, make_sampler(config, model, framing, rollout), rollout, play_with)
+
+    @classmethod
+    def sampled_of(cls, config: ml_collections.ConfigDict, job: Job, framing: ChatFraming, sampler: Sampler,
+                   rollout: RolloutConfig) -> HeldOut | None:
+        """The evaluation `eval.sampled` asks for (None for 0): each held-out task that many times
+        at the training `rollout`'s temperature, on its `sampler` (no second cache or compile), a
+        training batch's episodes at a time."""
+        if config.eval.sampled < 0:
+            raise ConfigError(f"eval.sampled must be >= 0 (samples a held-out task at the rollout temperature), "
+                              f"got {config.eval.sampled}")
+        if not config.eval.sampled:
+            return None
+        return cls(config, job, framing, sampler, rollout, samples=config.eval.sampled,
+                   batch_episodes=config.rollout.batch_tasks * config.rollout.group_size)
 
     @property
     def task_ids(self) -> list[int]:
@@ -198,7 +215,8 @@ class HeldOut:
         its episodes go to `path` (one file per process), written afresh."""
         policy = self.play_with(self.sampler, self.framing, params, self.rollout)
         records = evaluate(policy, self.job.pool(), self.job.info, self.task_ids, path, horizon=self.config.eval.horizon,
-                           seed=self.config.seed, fresh=True, desc=desc)
+                           seed=self.config.seed, group_size=self.samples, batch_episodes=self.batch_episodes,
+                           fresh=True, desc=desc)
         return evaluation_metrics(records)
 
 

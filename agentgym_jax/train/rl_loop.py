@@ -31,6 +31,7 @@ import jax
 import ml_collections
 from absl import logging
 
+from agentgym_jax.config import ConfigError
 from agentgym_jax.gateway import episodes as agent_episodes
 from agentgym_jax.gateway.agents import AgentSpec
 from agentgym_jax.job import memory_maps, play, setup
@@ -50,6 +51,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
     curriculum = settings.curriculum(config.curriculum)
     signal, rules = settings.signal(config), settings.batch_filter(config)  # pass-rate controls (train/rl_signal.py)
     agent = AgentSpec.of(config.env)  # None, or the agent program that plays each episode
+    if agent is not None and config.eval.sampled:
+        raise ConfigError("eval.sampled: an agent program's evaluation plays through its own gateway; "
+                          "sample it with eval.temperature instead")
     finished = _finished(config)
     if finished is not None:  # nothing left to do: the report as it was, nothing rewritten
         return finished
@@ -77,7 +81,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         if agent is None:
             held_out = play.HeldOut.of(config, job, model, framing)
             train_engine = stack.enter_context(setup.make_engine(config, job, model, framing, rollout))
+            sampled = play.HeldOut.sampled_of(config, job, framing, train_engine.sampler, rollout)
         else:
+            sampled = None
             held_out = play.HeldOut.of(config, job, model, framing, agent_episodes.agent_policy(config, agent, workdir / "held_out"))
 
         def local_policy(state, own: bool = False):  # the merged policy on this process's sampler devices
@@ -88,6 +94,9 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             (state, ref_params, *critic), meta = ckpt.restore(
                 (state, reference_params(state.params, update.forward.compute_dtype), *critic))
             logging.info("resumed from step %d", meta["rl_step"])
+            if sampled and "sampled_before" not in meta:
+                raise ConfigError(f"eval.sampled={config.eval.sampled}, but this run's evaluation before RL had none "
+                                  f"(its checkpoint's eval.sampled was 0); resume with eval.sampled=0")
         else:
             meta = {"rl_step": 0, "cursor": 0, "stage": schedule.stage(0)}
             if config.sft.num_tasks:
@@ -103,6 +112,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
             if not config.algo.critic_dir:  # a critic copied from the policy starts from the warm-started one
                 critic = build.critic_states(config, update, mesh, state.params, *(c.tx for c in critic))
             meta["eval_before"] = held_out(local_policy(state), workdir / "eval_before.jsonl", "eval before RL")
+            if sampled:
+                meta["sampled_before"] = sampled(local_policy(state), workdir / "sampled_before.jsonl", "sampled eval before RL")
             ckpt.save(0, (state, ref_params, *critic), {**meta, "minutes": process_minutes()}, force=True)
         resumed_from = meta["rl_step"] if resuming else None
         earlier_minutes = meta.get("minutes", 0.0) if resuming else 0.0  # the earlier processes' time to the checkpoint
@@ -179,6 +190,7 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         # Evaluation after RL; a tuned policy's merged export beside its checkpoints (which hold what trained).
         memory_maps.release_if_near_limit()
         after = held_out(local_policy(state), workdir / "eval_after.jsonl", "eval after RL")
+        sampled_after = sampled(local_policy(state), workdir / "sampled_after.jsonl", "sampled eval after RL") if sampled else None
         if state.frozen:
             setup.export_policy(config, workdir, model, mesh, state.params, state.frozen)
 
@@ -191,6 +203,8 @@ def run(config: ml_collections.ConfigDict) -> dict[str, float]:
         before=meta["eval_before"], after=after, minutes=earlier_minutes + this_process, process_minutes=this_process,
         resumed_from_step=resumed_from, curriculum=source.summary() if isinstance(source, rl_signal.Steered) else None,
         grading=rl_report.task_grades(info.metadata, signal.replay_by or curriculum.key),
+        sampled=dict(temperature=config.rollout.temperature, samples=config.eval.sampled,
+                     before=meta["sampled_before"], after=sampled_after) if sampled else None,
     )
     rl_report.write_report(workdir, record)
     return rl_report.print_report(record)

@@ -28,13 +28,13 @@ TABLE_ROWS = ("success_rate", "mean_reward", "turns", "invalid_action_rate")
 def build_report(
     *, env: str, seed: int, steps: int, reward_shaping: str, before: Mapping[str, Any], after: Mapping[str, Any],
     minutes: float, process_minutes: float, resumed_from_step: int | None, curriculum: Mapping[str, Any] | None = None,
-    grading: tuple[str, Sequence[float]] | None = None,
+    grading: tuple[str, Sequence[float]] | None = None, sampled: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record `report.json` holds (`before`/`after`: `job.play.evaluation_metrics` of the held-out
     evaluations; `curriculum`: the pass-rate controls' `Steered.summary()`, if the run had them;
-    `grading`: (name, one grade per task id) for held-out success by grade)."""
-    intervals = {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
-                 for name, result in (("before", before), ("after", after))}
+    `grading`: (name, one grade per task id) for held-out success by grade; `sampled`: `temperature`,
+    `samples` a task and the `before`/`after` metrics of the sampled evaluation, `eval.sampled`)."""
+    intervals = _intervals(before, after)
     record = {
         "before": dict(before), "after": dict(after),
         "success_before": before["success_rate"], "success_after": after["success_rate"], "wilson_95": intervals,
@@ -43,11 +43,21 @@ def build_report(
     }
     if curriculum:
         record["curriculum"] = dict(curriculum)
+    if sampled:  # Wilson intervals over episodes: a task's samples are not independent, so these are narrow
+        record["sampled"] = {**sampled, "success_before": sampled["before"]["success_rate"],
+                             "success_after": sampled["after"]["success_rate"],
+                             "wilson_95": _intervals(sampled["before"], sampled["after"])}
     if grading:
         name, graded = grading
         record["success_by_grade"] = {"grade": name, **{
             phase: _by_grade(result["task_success"], graded) for phase, result in (("before", before), ("after", after))}}
     return record
+
+
+def _intervals(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Wilson 95% intervals of the success of two evaluations' episodes."""
+    return {name: wilson_interval(sum(s for _, s in result["task_success"]), len(result["task_success"]))
+            for name, result in (("before", before), ("after", after))}
 
 
 def task_grades(metadata: Mapping[str, Any], key: str) -> tuple[str, Sequence[float]] | None:
@@ -96,6 +106,12 @@ def print_report(record: Mapping[str, Any]) -> dict[str, float]:
     if by_grade := record.get("success_by_grade"):
         print(f"held-out success by {by_grade['grade']}: " + ", ".join(
             f"{grade}: {wins}/{n} -> {by_grade['after'][grade][0]}/{n}" for grade, (wins, n) in by_grade["before"].items()))
+    if sampled := record.get("sampled"):
+        (lo0, hi0), (lo1, hi1) = sampled["wilson_95"].values()
+        print(f"held-out success sampled at temperature {sampled['temperature']:g}, {sampled['samples']} a task: "
+              f"{sampled['success_before']:.3f} [{lo0:.3f}, {hi0:.3f}] -> {sampled['success_after']:.3f} "
+              f"[{lo1:.3f}, {hi1:.3f}]; invalid actions {sampled['before']['invalid_action_rate']:.3f} -> "
+              f"{sampled['after']['invalid_action_rate']:.3f}")
     if curriculum := record.get("curriculum"):
         print("pass-rate controls: " + ", ".join(
             f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}" for key, value in curriculum.items()))
