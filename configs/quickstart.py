@@ -203,6 +203,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     config.algo.overlong = "off"  # token-budget-truncated episodes: off | mask | penalty (DAPO's soft punishment)
     config.algo.overlong_buffer = 256  # penalty ramps over the budget's last this-many tokens
     config.algo.overlong_penalty = 1.0  # the penalty at the token budget
+    config.algo.turn_penalty = 0.0  # each policy turn costs this of the episode's return (success untouched)
 
     config.optim = ml_collections.ConfigDict()
     config.optim.lr = 2e-4

@@ -154,3 +154,28 @@ def test_bad_filters_are_refused():
         BatchFilter(overlong="cut")
     with pytest.raises(ValueError, match="overlong_buffer"):
         BatchFilter(overlong="penalty", overlong_buffer=0)
+
+
+def test_a_turn_penalty_prices_each_policy_turn_and_leaves_success_alone():
+    def episode(group_id, reward, turns, success):
+        ids = list(range(1, 5 + 3 * turns))  # prompt(4), then turns of 2 policy ids and 1 observation id
+        spans = [(4 + 3 * k, 6 + 3 * k) for k in range(turns)]
+        mask = [int(any(a <= i < b for a, b in spans)) for i in range(len(ids))]
+        return Trajectory(task_id=group_id, env="room", group_id=group_id, token_ids=ids, loss_mask=mask,
+                          logprobs=[0.0] * len(ids), turn_spans=spans, turn_rewards=[0.0] * (turns - 1) + [reward],
+                          reward=reward, status="success" if success else "max_turns")
+
+    # One group: solved in 3 turns, solved in 5 (two wasted), failed in 12; a second group solved twice in 4.
+    trajectories = [episode(0, 1.0, 3, True), episode(0, 1.0, 5, True), episode(0, 0.25, 12, False),
+                    episode(1, 1.0, 4, True), episode(1, 1.0, 4, True)]
+    rules = BatchFilter(turn_penalty=0.02, dynamic_sampling=True)
+    batch, metrics = training_batch(trajectories, rules, seq_len=48, batch_size=5)
+    want = [1.0 - 0.06, 1.0 - 0.10, 0.25 - 0.24, 1.0 - 0.08, 1.0 - 0.08]
+    np.testing.assert_allclose(batch.scores, want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.token_rewards).sum(axis=1), want, rtol=1e-6)
+    assert metrics["groups_uniform"] == 1  # equal turns, equal returns: the second group still carries nothing
+    advantages = ref_grpo(list(np.asarray(batch.scores[:3], np.float64)), [True] * 3, [0] * 3)
+    assert advantages[0] > advantages[1] > 0 > advantages[2]  # the wasted turns rank the longer success lower
+    assert [t.reward for t in trajectories] == [1.0, 1.0, 0.25, 1.0, 1.0] and trajectories[1].success  # records untouched
+    with pytest.raises(ValueError, match="turn_penalty must be >= 0"):
+        BatchFilter(turn_penalty=-0.1)

@@ -8,6 +8,11 @@ Host-side (NumPy) choices made once per step, before the jitted `prepare`:
   carries no relative signal: its rows are masked too;
 - overlong handling (DAPO) for episodes cut by the token budget: "mask" leaves them out,
   "penalty" adds the soft overlong punishment to every episode's return by its response length;
+- a turn penalty: each policy turn costs `turn_penalty` of the episode's return (success is the
+  verifier's, untouched), so of two episodes that reach the same outcome the shorter ranks higher:
+  a wasted turn (an invalid action, a move into a wall) costs even in a successful episode, where
+  an outcome reward alone reinforces it with the rest (MiniGrid's `1 - 0.9 t / T` success reward
+  prices time the same way);
 - dynamic sampling (DAPO): groups whose trained members all have the same return (zero
   advantage under a group baseline) are left out; the step reports how many groups it lost
   (`dynamic_sampling/shortfall`). With `max_extra_groups` the RL step first plays up to that
@@ -43,6 +48,7 @@ class BatchFilter:
     max_response_length: int = 4096  # the rollout's token budget (policy + environment tokens)
     overlong_buffer: int = 0  # DAPO's L_cache: the penalty ramps over the budget's last tokens
     overlong_penalty: float = 1.0  # the penalty at (and beyond) the budget
+    turn_penalty: float = 0.0  # subtracted from an episode's return per policy turn
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_MODES:
@@ -54,6 +60,8 @@ class BatchFilter:
             )
         if self.overlong_penalty < 0:
             raise ValueError(f"overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        if self.turn_penalty < 0:
+            raise ValueError(f"turn_penalty must be >= 0 (a cost per policy turn), got {self.turn_penalty}")
         if not isinstance(self.max_extra_groups, int) or self.max_extra_groups < 0:
             raise ValueError(f"max_extra_groups must be an integer >= 0, got {self.max_extra_groups!r}")
         if self.max_extra_groups and not self.dynamic_sampling:
@@ -77,7 +85,7 @@ def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, penalty:
 class _Groups:
     """What `rules` make of a rollout's episodes before any group is dropped."""
 
-    trajectories: list[Trajectory]  # with the overlong penalty in their reward, where it applies
+    trajectories: list[Trajectory]  # with the overlong and turn penalties in their reward, where they apply
     trained: np.ndarray  # [n] bool: scored, and not masked as overlong
     truncated: np.ndarray  # [n] bool: cut by the token budget
     members: dict[int, list[int]]  # group id -> its trained rows
@@ -94,6 +102,8 @@ def _groups(trajectories: Sequence[Trajectory], rules: BatchFilter) -> _Groups:
         lengths = np.array([response_length(t) for t in trajectories])
         penalties = overlong_penalty(lengths, rules.max_response_length, rules.overlong_buffer, rules.overlong_penalty)
         trajectories = [dataclasses.replace(t, reward=t.reward + float(p)) for t, p in zip(trajectories, penalties)]
+    if rules.turn_penalty:
+        trajectories = [dataclasses.replace(t, reward=t.reward - rules.turn_penalty * t.num_turns) for t in trajectories]
     returns = np.array([t.reward for t in trajectories], np.float64)
     members: dict[int, list[int]] = collections.defaultdict(list)
     for row, t in enumerate(trajectories):
