@@ -42,6 +42,7 @@ OVERRIDES = {
     "vf_coef": 0.25, "clip_eps_value": 0.3, "critic": "separate", "agg_mode": "seq-mean-token-sum-norm", "loss_norm_length": 512,
     "is_correction": "sequence", "is_cap": 3.0, "decoupled_ppo": False, "dynamic_sampling": True, "max_extra_groups": 4,
     "overlong": "penalty", "overlong_buffer": 128, "overlong_penalty": 0.5, "step_weight": 0.5,
+    "turn_penalty": 0.015625,
 }
 # Keys of another estimator than the overrides' (gae): checked with the one that reads them.
 OTHER_ESTIMATOR = {"step_weight": "gigpo"}
@@ -125,6 +126,8 @@ def test_bad_filter_values_are_config_errors():
         settings.batch_filter(parse("--config.algo.overlong=cut"))
     with pytest.raises(ConfigError, match="overlong_penalty must be >= 0, got -1"):
         settings.batch_filter(parse("--config.algo.overlong_penalty=-1.0"))
+    with pytest.raises(ConfigError, match="turn_penalty must be >= 0"):
+        settings.batch_filter(parse("--config.algo.turn_penalty=-0.01"))
 
 
 RL_CONFIGS = ["quickstart.py", "textcraft_grpo.py", "babyai_scalinginter.py", "cpu.py:textcraft",
