@@ -45,7 +45,7 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
     for phase in ("before", "after"):
         records = [json.loads(line) for line in (tmp_path / f"sampled_{phase}.jsonl").read_text().splitlines()]
         assert sorted((r["task_id"], r["sample_idx"]) for r in records) == [(t, s) for t in test_ids for s in (0, 1)]
-        assert sampled[f"success_{phase}"] == pytest.approx(sum(r["success"] for r in records) / 64)
+        assert sampled[f"success_{phase}"] == pytest.approx(sum(r["status"] == "success" for r in records) / 64)
     paired = compare_dirs(tmp_path, f"{tmp_path}:before")  # RL against its own SFT start, task by task
     assert paired.mean_difference == pytest.approx(after - before, abs=1e-3) and paired.wins > 0
     assert [r["horizon"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [4] * 4 + [8] * 4 + [12] * 2
