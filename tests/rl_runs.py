@@ -63,9 +63,10 @@ def launch(config_file: str, overrides: dict, timeout: float = 1400, without_tor
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_rl_job(config_file: str, overrides: dict, timeout: float = 1400) -> Summary:
+def run_rl_job(config_file: str, overrides: dict, timeout: float = 1400,
+               extra_env: dict[str, str] | None = None) -> Summary:
     """`launch` an RL job; its summary line, after checking it ended well."""
-    done = launch(config_file, overrides, timeout)
+    done = launch(config_file, overrides, timeout, extra_env=extra_env)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = SUMMARY.match(done.stdout.strip().splitlines()[-1])
     assert summary, done.stdout[-2000:]

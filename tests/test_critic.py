@@ -20,7 +20,6 @@ from tests.updates import update as make_update
 CONFIG = make_update(MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def states():

@@ -201,15 +201,6 @@ def test_the_load_balancing_loss_is_in_the_losses_only_when_asked():
         update(ModelConfig.small("qwen2"), rl=False, router_aux_coef=0.5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    """XLA's cheap compiles (as test_train_steps.py): these tests compile each family's steps once."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 @pytest.fixture(scope="module")
 def maze_url():
     with start_server("maze") as url:

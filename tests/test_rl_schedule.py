@@ -20,7 +20,6 @@ MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_s
                           num_heads=4, num_kv_heads=2, head_dim=8)
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def learning_rates(tx: optax.GradientTransformation, updates: int) -> list[float]:

@@ -56,7 +56,6 @@ def moe(vocab_size: int) -> tuple[ModelConfig, dict]:
     return config, params
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def test_experts_are_kept_token_aligned_in_jsonl_and_the_token_batch(tmp_path):

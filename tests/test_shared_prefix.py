@@ -7,7 +7,7 @@ term, PPO with a value head, SFT and DPO; with padding, unequal suffixes, groups
 units and split across micro-batches, length buckets, log-probs only where the loss reads them,
 LoRA, and on 8 simulated devices. Rows that share nothing stay plain rows.
 
-Compilation dominates this file's time: XLA optimisations are off (as in test_train_steps.py) and
+Compilation dominates this file's time: XLA optimisations are off (tests/conftest.py) and
 each config's steps are built once.
 """
 
@@ -45,7 +45,6 @@ TX = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_lik
                                   update=lambda grads, state, params=None: (jax.tree.map(jnp.negative, grads), grads))
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 def group_rows(groups: int = 4, size: int = 4, seed: int = 0, shared: bool = True) -> TokenBatch:

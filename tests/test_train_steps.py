@@ -5,9 +5,8 @@ update equal to the single-device one, and no recompilation after the first step
 Compilation dominates this file's time (each update step is seconds of XLA CPU compilation), so
 tests share compiled steps: one `StepFns` per config (`step_fns`), one optimizer object (`TX`: the
 optimizer is a static field of `TrainState`, and a new one means a new compilation) and one
-reference update (`single_device_update`). XLA optimisations are off for this module
-(`jax_disable_most_optimizations`): the same programs compile about twice as fast, and every
-comparison is with numpy or with a step compiled the same way.
+reference update (`single_device_update`). XLA optimisations are off, as in the whole suite
+(tests/conftest.py): every comparison is with numpy or with a step compiled the same way.
 """
 
 import functools
@@ -41,7 +40,6 @@ EPOCH_ROWS = 16
 rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")  # XLA optimisations off: faster compiles
 
 
 @functools.cache
