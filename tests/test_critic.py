@@ -20,8 +20,6 @@ from tests.updates import update as make_update
 CONFIG = make_update(MODEL, advantage="gae", critic="separate", gamma=1.0, lam=0.95, num_minibatches=2)
 
 
-
-
 def states():
     policy = init_params(MODEL, jax.random.PRNGKey(0))  # no value head
     critic = {**jax.tree.map(jnp.copy, policy), "value_head": init_value_head(MODEL, jax.random.PRNGKey(3))}

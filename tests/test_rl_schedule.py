@@ -20,8 +20,6 @@ MODEL = ModelConfig.small("qwen2", vocab_size=64, hidden_size=32, intermediate_s
                           num_heads=4, num_kv_heads=2, head_dim=8)
 
 
-
-
 def learning_rates(tx: optax.GradientTransformation, updates: int) -> list[float]:
     """The rate of each update: with a constant gradient, bias-corrected Adam steps by exactly lr."""
     state = tx.init({"w": jnp.zeros(())})

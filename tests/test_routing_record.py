@@ -56,8 +56,6 @@ def moe(vocab_size: int) -> tuple[ModelConfig, dict]:
     return config, params
 
 
-
-
 def test_experts_are_kept_token_aligned_in_jsonl_and_the_token_batch(tmp_path):
     """A policy token's experts [layers, k] as one short string per token ("" off the loss mask),
     through the transcript, the JSON lines and back, into `TokenBatch.experts` (-1 where none) and

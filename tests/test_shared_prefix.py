@@ -45,8 +45,6 @@ TX = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_lik
                                   update=lambda grads, state, params=None: (jax.tree.map(jnp.negative, grads), grads))
 
 
-
-
 def group_rows(groups: int = 4, size: int = 4, seed: int = 0, shared: bool = True) -> TokenBatch:
     """`groups` x `size` rows of `SEQ` (host arrays): each group's rows share a prompt of 8-14
     tokens (`shared`; else every row starts with its own token), two of them also their first

@@ -40,8 +40,6 @@ EPOCH_ROWS = 16
 rl_loss_jit = jax.jit(steps.rl_loss, static_argnames="config")
 
 
-
-
 @functools.cache
 def step_fns(config: steps.UpdateConfig) -> steps.StepFns:
     """Single-device steps, one per config for the whole module."""
