@@ -139,7 +139,7 @@ def detour_scene(seen_columns=8):
 def test_go_to_compiles_the_shortest_detour_and_minigrid_confirms_arrival():
     engine, scene = detour_scene()
     plan = compile_action("go to red ball 1", scene)
-    left, right, forward = int(Actions.left), int(Actions.right), int(Actions.forward)
+    left, right = int(Actions.left), int(Actions.right)
     assert len(plan) == 14 and plan.count(left) == 1 and plan.count(right) == 2
     for i, primitive in enumerate(plan):
         _, reward, terminated, _, _ = engine.step(primitive)

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 
-import jax
 import ml_collections
 import numpy as np
 import pytest

@@ -29,7 +29,7 @@ from agentgym_jax.models.tokenizer import load_tokenizer
 from agentgym_jax.rollout.batch import make_token_batch
 from agentgym_jax.rollout.engine import RolloutConfig, RolloutEngine
 from agentgym_jax.rollout.packing import pack_groups
-from agentgym_jax.rollout.trajectory import Trajectory, expert_array, expert_record, read_jsonl, write_jsonl
+from agentgym_jax.rollout.trajectory import expert_array, expert_record, read_jsonl, write_jsonl
 from agentgym_jax.rollout.transcript import Transcript
 from agentgym_jax.sampling.config import SamplingConfig
 from agentgym_jax.sampling.sampler import Sampler, Turn, decode
