@@ -28,9 +28,11 @@ What it does, and why the numbers:
   agent; the engine's plays the environment protocol: the same conversations.
 - Every episode starts with a ~1,370-id prompt (SmolLM2's tokenizer; 880 without the tool block)
   and runs to ~1,700 ids: the update, at ~100 positions/s on 2 cores (configs/smollm.py), is what
-  costs. Measured end to end on the idle 2-core AMD EPYC (seed 0, docs/experiments.md): 51.6
-  minutes (SFT 11, each evaluation 9-12.5, RL 19), at most 21 GB resident; held-out 0.848 -> 0.788
-  (no gain: the SFT start already solves 28 of 33).
+  costs. Measured on the 2-core AMD EPYC (docs/experiments.md): 55.4 minutes alone on one instance
+  (SFT 14, each evaluation 12, RL 18), 93.4 on a slower one, at most 20.6 GB resident (the engine:
+  44.3-72.4 minutes, 16.9 GB). Over seeds 0-2 held-out 0.657 -> 0.808 through the agent program
+  (+0.152 [+0.061, +0.253], p = 0.004) and 0.657 -> 0.747 through the engine (+0.091, p = 0.035);
+  the paths after RL +0.061 [-0.030, +0.162] apart (p = 0.31): no difference measured.
 """
 
 import ml_collections
