@@ -55,7 +55,8 @@ def _free_port() -> int:
 
 def _env(devices: int, process: int | None = None, port: int | None = None, cache: pathlib.Path | None = None,
          ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    # Whatever JAX setting the caller has stays out, but the suite's cheap compiles (conftest.py).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_DISABLE_MOST_OPTIMIZATIONS"}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     if cache is not None:  # a restart loads what the killed run compiled
