@@ -29,6 +29,12 @@ def with_compile_cache(env: dict[str, str], cache: pathlib.Path) -> dict[str, st
     return {**env, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
+# XLA's optimisations back on for a launched job (tests/conftest.py turns them off for the suite, whose
+# jobs compile more than they run): for a job that runs more than it compiles, or whose assertion
+# rests on the rounding a user's run has.
+OPTIMISED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+
+
 # The smallest RL job the code path allows: a 2-layer, hidden-32 policy, 4 demonstrations, 2 tasks
 # x 2 samples a step, 2 held-out tasks; add `workdir`, `train.*` and `horizon_schedule.steps_per_stage`.
 TINY_RL_JOB = {

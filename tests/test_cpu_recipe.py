@@ -23,7 +23,7 @@ STEPS = 3
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 9.4 min beside another job on a slow instance of the 2-core machine
+@pytest.mark.timeout(1500)  # 9.9 min beside another job on a slow instance of the 2-core machine
 def test_shortened_guess_the_number_recipe_runs_its_schedule_on_held_out_seeds(tmp_path):
     overrides = {
         "workdir": tmp_path, "train.steps": STEPS, "train.checkpoint_every": STEPS, "horizon_schedule.steps_per_stage": 1,

@@ -7,10 +7,10 @@ held-out success after SFT must exceed it.
 
 Shortened to fit the suite: 4-turn episodes, and the one group trains whatever its rewards (with
 dynamic sampling a uniform group skipped the update, as it did in the run measured below; equal
-rewards give zero advantages, but the real model's update runs). The SmolLM2 job
-compiles with XLA's optimisations on: at -O0 the 30-layer model's SFT batch ran over 4 minutes, at -O1 the
-whole SmolLM2 job took 11.2 minutes beside another test run (2026-12-07, AMD EPYC), 2 of 8
-held-out tasks solved after SFT.
+rewards give zero advantages, but the real model's update runs). The SmolLM2 job compiles with
+XLA's optimisations on: at -O0 one SFT batch of the 30-layer model ran over 4 minutes; at -O1 the
+whole SmolLM2 job took 11.2 minutes beside another test run, 2 of 8 held-out tasks solved after
+SFT, and the test 12.7 minutes alone (2026-12-07, AMD EPYC).
 """
 
 import json
@@ -19,7 +19,7 @@ import math
 import pytest
 
 from agentgym_jax.train.metrics import read_metrics
-from tests.rl_runs import run_rl_job
+from tests.rl_runs import OPTIMISED, run_rl_job
 
 # Two SFT updates of 8 demonstrations, 8 held-out tasks, one GRPO step of 1 task x 4 samples, every
 # episode at most 4 turns (depth-1 goals take 2-3): the path of the recipe at its smallest.
@@ -29,7 +29,6 @@ SHORT = {
     "rollout.batch_tasks": 1, "rollout.group_size": 4, "algo.num_microbatches": 1,  # one group of 4 rows, not 24
     "algo.dynamic_sampling": False,  # the group trains even when its 4 rewards are equal
 }
-OPTIMISED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}  # conftest.py turns them off, for jobs that compile more than they run
 
 
 @pytest.mark.slow

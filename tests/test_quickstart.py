@@ -13,7 +13,7 @@ import pytest
 from agentgym_jax.eval.compare import compare_dirs
 from agentgym_jax.train.metrics import read_metrics
 from environments.room.env import RoomEnv
-from tests.rl_runs import run_rl_job
+from tests.rl_runs import OPTIMISED, run_rl_job
 
 STEPS = 10
 
@@ -26,7 +26,7 @@ def test_shortened_quickstart_improves_held_out_success(tmp_path):
         "horizon_schedule.steps_per_stage": 4, "eval.num_tasks": 32, "eval.sampled": 2,
     }
     # XLA's optimisations on, as a user runs it: the lift below was measured with them (conftest.py).
-    summary = run_rl_job("configs/quickstart.py", overrides, extra_env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
+    summary = run_rl_job("configs/quickstart.py", overrides, extra_env=OPTIMISED)
     tasks, before, after = summary.tasks, summary.before, summary.after
     assert summary.env == "room"
     assert tasks == 32
